@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -63,16 +64,31 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             p.start()
         values: dict[int, Any] = {}
         errors: list[str] = []
+        reported: set[int] = set()
+        deadline = time.monotonic() + timeout
         try:
-            for _ in range(world_size):
-                rank, status, value = results.get(timeout=timeout)
+            while len(reported) < world_size:
+                try:
+                    rank, status, value = results.get(timeout=0.5)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+                    if dead:  # exited without reporting (killed, segfault): give stragglers a moment
+                        time.sleep(1)
+                        dead = [r for r in dead if results.empty()]
+                    if dead:
+                        errors.append(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]} "
+                                      "without reporting")
+                        break
+                    if time.monotonic() > deadline:
+                        missing = sorted(set(range(world_size)) - reported)
+                        errors.append(f"ranks {missing} did not finish within {timeout}s")
+                        break
+                    continue
+                reported.add(rank)
                 if status == "ok":
                     values[rank] = value
                 else:
                     errors.append(f"rank {rank} raised {value}")
-        except queue.Empty:
-            missing = sorted(set(range(world_size)) - set(values))
-            errors.append(f"ranks {missing} did not finish within {timeout}s")
         finally:
             for p in procs:
                 p.join(timeout=10)

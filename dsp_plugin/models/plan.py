@@ -1,0 +1,129 @@
+"""Apply DSP to a multi-dimensional transformer from outside, with forward hooks.
+
+The model code stays single-device. ``parallelize`` registers:
+
+- a pre-hook on the entry module that splits its input (``split``),
+- a pre-hook on every block whose ``attend_dim`` is the dim currently sharded,
+  switching the shard to another sequence dim first (``dynamic_switch``),
+- a pre-hook on the exit module that gathers its input (``gather``).
+
+Which dim to switch to is decided once, from the block order
+(``switch_schedule``): among the sequence dims the block does not attend, the
+one whose next use is furthest away (Belady's rule). For spatial/temporal
+blocks that is simply the other dim: one switch per block, two per layer. With
+three axes it saves a switch every other block.
+
+The hooks carry the full length of each dim they sharded in a per-forward dict,
+so every switch is exactly one ``all_to_all_single`` even for uneven lengths.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dsp_plugin.comm import dynamic_switch, gather, split
+
+__all__ = ["DSPPlan", "parallelize", "switch_schedule"]
+
+
+def switch_schedule(attend_dims: Sequence[int], sequence_dims: Sequence[int],
+                    first_shard: int) -> tuple[list[tuple[int, int] | None], int]:
+    """For each block, ``(cur, tgt)`` if a switch must precede it, else None; and the final shard dim.
+
+    >>> switch_schedule([2, 1, 2, 1], [1, 2], first_shard=1)
+    ([None, (1, 2), (2, 1), (1, 2)], 2)
+    """
+    if first_shard not in sequence_dims:
+        raise ValueError(f"first shard dim {first_shard} is not one of the sequence dims {list(sequence_dims)}")
+    for i, a in enumerate(attend_dims):
+        if a not in sequence_dims:
+            raise ValueError(f"block {i} attends dim {a}, which is not one of the sequence dims "
+                             f"{list(sequence_dims)}")
+    if len(sequence_dims) < 2:
+        raise ValueError(f"DSP needs at least two sequence dims to switch between, got {list(sequence_dims)}")
+    schedule: list[tuple[int, int] | None] = []
+    cur = first_shard
+    for i, a in enumerate(attend_dims):
+        if a != cur:
+            schedule.append(None)
+            continue
+
+        def next_use(d: int, start: int = i + 1) -> int:
+            later = [j for j in range(start, len(attend_dims)) if attend_dims[j] == d]
+            return later[0] if later else len(attend_dims)
+
+        tgt = max((d for d in sequence_dims if d != a), key=lambda d: (next_use(d), -d))
+        schedule.append((cur, tgt))
+        cur = tgt
+    return schedule, cur
+
+
+@dataclass
+class DSPPlan:
+    """Where the hooks go. Module names are ``model.get_submodule`` paths."""
+
+    entry: str                      # module whose first positional input is split
+    entry_split_dim: int            # dim of that input to split
+    entry_shard: int                # token dim the split becomes (the first shard)
+    blocks: list[str]               # blocks in execution order, each with `.attend_dim`
+    sequence_dims: tuple[int, ...]  # token dims that are sequences
+    exit: str                       # module whose first positional input is gathered
+
+    @staticmethod
+    def for_stdit(model: nn.Module) -> DSPPlan:
+        """STDiT: split the latents on T (dim 2; frames are embedded independently), gather before unpatchify."""
+        names = [f"blocks.{i}" for i in range(len(model.blocks))]
+        return DSPPlan(entry="embedder", entry_split_dim=2, entry_shard=1, blocks=names,
+                       sequence_dims=model.sequence_dims, exit="unpatchify")
+
+
+def parallelize(model: nn.Module, *, group: dist.ProcessGroup | None = None,
+                plan: DSPPlan | None = None) -> nn.Module:
+    """Register the DSP hooks on ``model`` (in place) and return it.
+
+    ``group=None`` means the DSP group of the current topology at call time.
+    ``model.dsp_schedule`` describes the switches, for logs and tests.
+    """
+    if getattr(model, "_dsp_hooks", None):
+        raise ValueError("parallelize: this model already has DSP hooks")
+    plan = plan or DSPPlan.for_stdit(model)
+    blocks = [model.get_submodule(name) for name in plan.blocks]
+    attend = [block.attend_dim for block in blocks]
+    schedule, final_shard = switch_schedule(attend, plan.sequence_dims, plan.entry_shard)
+    full_len: dict[int, int] = {}  # token dim -> full length, for the forward in flight
+
+    def entry_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        full_len.clear()
+        full_len[plan.entry_shard] = args[0].shape[plan.entry_split_dim]
+        return (split(args[0], plan.entry_split_dim, group=group), *args[1:])
+
+    def block_hook(switch: tuple[int, int]):  # noqa: ANN202
+        cur, tgt = switch
+
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            x: torch.Tensor = args[0]
+            full_len[tgt] = x.shape[tgt]
+            return (dynamic_switch(x, cur, tgt, group=group, global_len=full_len[cur]), *args[1:])
+
+        return hook
+
+    def exit_hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return (gather(args[0], final_shard, group=group, global_len=full_len[final_shard]), *args[1:])
+
+    handles = [model.get_submodule(plan.entry).register_forward_pre_hook(entry_hook)]
+    for block, switch in zip(blocks, schedule):
+        if switch is not None:
+            handles.append(block.register_forward_pre_hook(block_hook(switch)))
+    handles.append(model.get_submodule(plan.exit).register_forward_pre_hook(exit_hook))
+    model._dsp_hooks = handles
+    model.dsp_schedule = [
+        f"{name} (attends {a}): " + (f"switch S({s[0]}) -> S({s[1]})" if s else "local")
+        for name, a, s in zip(plan.blocks, attend, schedule)
+    ]
+    return model
