@@ -122,6 +122,11 @@ def _check_tensor(name: str, x: object) -> torch.Tensor:
     return x
 
 
+def _check_global_len(name: str, given: int | None) -> None:
+    if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 0):
+        raise ValueError(f"{name}: global_len must be a non-negative int, got {given!r}")
+
+
 def _global_len(name: str, x: torch.Tensor, dim: int, given: int | None,
                 group: dist.ProcessGroup | None, n: int, rank: int) -> int:
     """Full length of sharded dim ``dim``; checked against the local chunk when given."""
@@ -137,8 +142,6 @@ def _global_len(name: str, x: torch.Tensor, dim: int, given: int | None,
             raise ValueError(f"{name}: local lengths of dim {dim} across the group are {sizes}, "
                              f"which is not a torch.tensor_split of {total} into {n}")
         return total
-    if not isinstance(given, int) or isinstance(given, bool) or given < 0:
-        raise ValueError(f"{name}: global_len must be a non-negative int, got {given!r}")
     expected = chunk_sizes(given, n)[rank]
     if local != expected:
         raise ValueError(f"{name}: rank {rank} holds {local} of dim {dim}, but global_len={given} "
@@ -299,6 +302,7 @@ def gather(x: torch.Tensor, cur_shard: int, *, group: dist.ProcessGroup | None =
     """
     x = _check_tensor("gather", x)
     dim = _normalize_dim("gather", "cur_shard", cur_shard, x.dim())
+    _check_global_len("gather", global_len)
     group = _resolve_group(group)
     n = 1 if group is None else dist.get_world_size(group)
     if n == 1:
@@ -323,6 +327,7 @@ def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
     if cur == tgt:
         raise ValueError(f"dynamic_switch: cur_shard={cur_shard} equals tgt_shard={tgt_shard} "
                          f"(both are dim {cur} of a {x.dim()}-dim tensor); expected two different dims")
+    _check_global_len("dynamic_switch", global_len)
     group = _resolve_group(group)
     n = 1 if group is None else dist.get_world_size(group)
     if n == 1:

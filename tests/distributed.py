@@ -58,7 +58,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_file, results, args), daemon=True)
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_file, results, args), daemon=False)
                  for r in range(world_size)]
         for p in procs:
             p.start()
