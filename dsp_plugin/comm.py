@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from dsp_plugin.topology import Topology
 
 __all__ = [
+    "all_reduce_mean",
     "chunk_sizes",
     "dynamic_switch",
     "gather",
@@ -369,3 +370,12 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], *, topology: Topo
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
+
+
+def all_reduce_mean(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Mean of ``tensor`` over ``group`` (a new tensor; for logging losses across DP ranks)."""
+    out = tensor.detach().clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        out.div_(dist.get_world_size(group))
+    return out

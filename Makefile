@@ -1,0 +1,23 @@
+# The two README commands: `make train` (the main job) and `make test` (the suite CI runs).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NPROC ?= 4
+STEPS ?= 8
+
+.PHONY: setup train test clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
+	bash scripts/setup.sh $(VENV)
+
+# DSP on NPROC gloo processes, then the same run on one process, losses side by side.
+train: setup
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) launch/train_dsp.py --steps $(STEPS) --out out/dsp.json
+	OMP_NUM_THREADS=1 $(PY) launch/train_dsp.py --steps $(STEPS) --compare out/dsp.json
+
+test: setup
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+clean:
+	rm -rf out .pytest_cache

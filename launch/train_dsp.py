@@ -1,0 +1,147 @@
+"""Train the tiny STDiT with DSP on synthetic video latents; the README's main job.
+
+    torchrun --standalone --nproc-per-node 4 launch/train_dsp.py --out out/dsp.json
+    python launch/train_dsp.py --out out/single.json --compare out/dsp.json
+
+Every rank logs nothing but rank 0, which prints per step: the loss, the step
+time, and the all-to-all bytes this rank sent per layer (forward, backward) beside
+the formula 2M(N-1)/N^2. Run on one process (no torchrun) it is the reference;
+``--compare`` prints both loss curves side by side.
+
+Knobs: ``--dsp`` (default: the whole world, DP = world / DSP), ``--frames``,
+``--height``, ``--width``, ``--batch-size`` (per DP rank), ``--steps``, ``--lr``, ``--seed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+from dsp_plugin import Topology, dsp_dataloader, reduce_gradients, set_topology
+from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.comm import all_reduce_mean
+from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+
+
+class SyntheticLatents(Dataset):
+    """Deterministic video latents, timesteps, text embeddings and noise targets."""
+
+    def __init__(self, size: int, shape: tuple[int, int, int, int], text_dim: int, seed: int) -> None:
+        self.size, self.shape, self.text_dim, self.seed = size, shape, text_dim, seed
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(self.seed * 100_003 + i)
+        return {"latents": torch.randn(self.shape, generator=g),
+                "timestep": torch.randint(0, 1000, (), generator=g),
+                "text": torch.randn(4, self.text_dim, generator=g),
+                "target": torch.randn(self.shape, generator=g)}
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--dsp", type=int, default=None, help="DSP size (default: world size)")
+    p.add_argument("--frames", type=int, default=8)
+    p.add_argument("--height", type=int, default=16)
+    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--batch-size", type=int, default=2, help="samples per DP rank per step")
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=None, help="write the loss curve as JSON")
+    p.add_argument("--compare", type=Path, default=None, help="a JSON from another run to compare losses with")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
+    if distributed:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        set_topology(Topology.build(dsp=args.dsp))
+    try:
+        run(args, distributed)
+    finally:
+        set_topology(None)
+        if distributed:
+            dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace, distributed: bool) -> None:
+    from dsp_plugin.topology import get_topology
+
+    topology = get_topology()
+    rank = dist.get_rank() if distributed else 0
+    dsp = topology.dsp if topology else 1
+    dp = topology.dp if topology else 1
+    log = print if rank == 0 else (lambda *a, **k: None)
+
+    config = STDiTConfig.preset(args.preset)
+    torch.manual_seed(args.seed)                   # same initial parameters on every rank
+    model = STDiT(config)
+    if dsp > 1:
+        parallelize(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    shape = (config.in_channels, args.frames, args.height, args.width)
+    data = SyntheticLatents(args.batch_size * dp * args.steps, shape, config.text_dim or 1, args.seed)
+    loader = dsp_dataloader(data, batch_size=args.batch_size, seed=args.seed, shuffle=True)
+
+    tokens = args.frames * (args.height // 2) * (args.width // 2)
+    m_bytes = args.batch_size * tokens * config.hidden_size * 4     # one [B, T, S, D] fp32 activation
+    formula = 2 * m_bytes * (dsp - 1) / dsp**2
+    log(f"DSP training: {topology.describe() if topology else 'one process (the reference)'}")
+    log(f"model {args.preset}: depth {config.depth}, hidden {config.hidden_size}, heads {config.num_heads}; "
+        f"latents {list(shape)} per sample, {tokens} tokens, batch {args.batch_size} per DP rank")
+    if dsp > 1:
+        log("plan: " + "; ".join(model.dsp_schedule))
+    log(f"{'step':>4} | {'loss':>9} | {'step ms':>7} | {'switches fwd/bwd':>16} | {'KiB/switch':>10} | "
+        f"{'KiB/layer':>9} | {'2M(N-1)/N^2':>11} | {'grad all-reduce KiB':>19}")
+    losses = []
+    for step, batch in enumerate(loader, start=1):
+        start = time.perf_counter()
+        with CommAccounting(activations=False) as acct:
+            out = model(batch["latents"], batch["timestep"], batch["text"])
+            loss = torch.nn.functional.mse_loss(out, batch["target"])
+            optimizer.zero_grad()
+            loss.backward()
+            reduce_gradients(model.parameters())
+        optimizer.step()
+        elapsed = (time.perf_counter() - start) * 1e3
+        if dp > 1:  # report the global-batch loss, as the single process sees it
+            loss = all_reduce_mean(loss.detach(), group=topology.dp_group)
+        losses.append(loss.item())
+        switches = acct.select("all_to_all", "forward")
+        per_switch = switches[0].bytes_sent / 1024 if switches else 0.0
+        log(f"{step:>4} | {losses[-1]:>9.6f} | {elapsed:>7.1f} | "
+            f"{len(switches):>7}/{acct.count('all_to_all', 'backward'):<8} | {per_switch:>10.1f} | "
+            f"{2 * per_switch:>9.1f} | {formula / 1024:>11.1f} | {acct.bytes_sent('all_reduce') / 1024:>19.1f}")
+    if dsp > 1:
+        log(f"KiB are sent by this rank. A layer is two switches (before its spatial and its temporal "
+            f"block); layer 0 needs only one because the split lands on T: {2 * config.depth - 1} in all.")
+    if rank == 0 and args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"world": dsp * dp, "dsp": dsp, "losses": losses}))
+    if rank == 0 and args.compare:
+        other = json.loads(args.compare.read_text())
+        log(f"\nloss curve: this run ({dsp * dp} process(es)) against {args.compare} "
+            f"({other['world']} processes, DSP {other['dsp']})")
+        log(f"{'step':>4} | {'this run':>10} | {'other run':>10} | {'|diff|':>9}")
+        for step, (a, b) in enumerate(zip(losses, other["losses"]), start=1):
+            log(f"{step:>4} | {a:>10.6f} | {b:>10.6f} | {abs(a - b):>9.2e}")
+        log(f"largest difference: {max(abs(a - b) for a, b in zip(losses, other['losses'])):.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create the project's Python 3.12 virtual environment with the pinned versions.
+# Usage: scripts/setup.sh [VENV_DIR]   (default .venv). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${1:-.venv}
+
+find_python() {
+    for candidate in "${PYTHON:-}" python3.12 "$(pyenv root 2>/dev/null)"/versions/3.12*/bin/python3.12; do
+        [ -n "$candidate" ] || continue
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
+            command -v "$candidate"
+            return 0
+        fi
+    done
+    echo "setup: Python 3.12 not found (megatron-core >= 0.17 needs it); set PYTHON=/path/to/python3.12" >&2
+    return 1
+}
+
+if [ ! -x "$venv/bin/python" ]; then
+    python=$(find_python)
+    echo "setup: creating $venv with $python"
+    "$python" -m venv "$venv"
+fi
+"$venv/bin/python" -m pip install --quiet --upgrade pip
+echo "setup: installing pinned dependencies (torch for 3.12 from PyPI is the CUDA build, ~3 GB; a few minutes the first time)"
+"$venv/bin/python" -m pip install --quiet -c constraints.txt -e ".[test,megatron,deepspeed,bench]"
+touch "$venv/.installed"
+echo "setup: done ($("$venv/bin/python" -c 'import torch, deepspeed, megatron.core as m; print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, megatron-core {m.__version__}")' 2>/dev/null))"
