@@ -71,10 +71,14 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return topology.dsp_group if topology is not None else dist.group.WORLD
 
 
+def _group_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
+    group = _resolve_group(group)
+    return group, (1 if group is None else dist.get_world_size(group))
+
+
 def group_size(group: dist.ProcessGroup | None = None) -> int:
     """Size of ``group`` (resolved as in the primitives); 1 without torch.distributed."""
-    group = _resolve_group(group)
-    return 1 if group is None else dist.get_world_size(group)
+    return _group_and_size(group)[1]
 
 
 def group_rank(group: dist.ProcessGroup | None = None) -> int:
@@ -286,8 +290,7 @@ def split(x: torch.Tensor, tgt_shard: int, *, group: dist.ProcessGroup | None = 
     """
     x = _check_tensor("split", x)
     dim = _normalize_dim("split", "tgt_shard", tgt_shard, x.dim())
-    group = _resolve_group(group)
-    n = 1 if group is None else dist.get_world_size(group)
+    group, n = _group_and_size(group)
     if n == 1:
         return x
     return _Split.apply(x, dim, group, n, dist.get_rank(group))
@@ -304,8 +307,7 @@ def gather(x: torch.Tensor, cur_shard: int, *, group: dist.ProcessGroup | None =
     x = _check_tensor("gather", x)
     dim = _normalize_dim("gather", "cur_shard", cur_shard, x.dim())
     _check_global_len("gather", global_len)
-    group = _resolve_group(group)
-    n = 1 if group is None else dist.get_world_size(group)
+    group, n = _group_and_size(group)
     if n == 1:
         return x
     rank = dist.get_rank(group)
@@ -329,8 +331,7 @@ def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
         raise ValueError(f"dynamic_switch: cur_shard={cur_shard} equals tgt_shard={tgt_shard} "
                          f"(both are dim {cur} of a {x.dim()}-dim tensor); expected two different dims")
     _check_global_len("dynamic_switch", global_len)
-    group = _resolve_group(group)
-    n = 1 if group is None else dist.get_world_size(group)
+    group, n = _group_and_size(group)
     if n == 1:
         return x
     rank = dist.get_rank(group)
