@@ -26,4 +26,4 @@ fi
 echo "setup: installing pinned dependencies (torch for 3.12 from PyPI is the CUDA build, ~3 GB; a few minutes the first time)"
 "$venv/bin/python" -m pip install --quiet -c constraints.txt -e ".[test,megatron,deepspeed,bench]"
 touch "$venv/.installed"
-echo "setup: done ($("$venv/bin/python" -c 'import torch, deepspeed, megatron.core as m; print(f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, megatron-core {m.__version__}")' 2>/dev/null))"
+echo "setup: done ($("$venv/bin/python" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("torch", "deepspeed", "megatron-core")))'))"
