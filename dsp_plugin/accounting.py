@@ -188,8 +188,10 @@ class CommAccounting:
         with _lock:
             if not _active:
                 for method, (op, count) in _METHODS.items():
-                    if hasattr(ProcessGroup, method):
-                        _originals[method] = getattr(ProcessGroup, method)
+                    if method in vars(ProcessGroup):
+                        # keep the raw descriptor: getattr would hand back pybind's unbound
+                        # function, which no longer binds `self` once set on the class again
+                        _originals[method] = vars(ProcessGroup)[method]
                         setattr(ProcessGroup, method, _wrap(method, op, count))
             _active.append(self)
         if self._activations:

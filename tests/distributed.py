@@ -37,7 +37,9 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_file: str,
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         try:
+            dist.barrier()   # every pair connected before anyone can leave
             value = fn(rank, world_size, *args)
+            dist.barrier()   # nobody tears gloo down while a peer still needs it
         finally:
             from dsp_plugin.topology import set_topology
 

@@ -81,7 +81,12 @@ def _collective_counts(rank: int, n: int) -> dict[str, object]:
     with CommAccounting() as acct:
         out = dynamic_switch(shard, 1, 2, global_len=7)
         out.sum().backward()
+    # the ProcessGroup methods accounting wrapped work again as before once it is gone
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    dist.barrier()
     return {
+        "after": total.item(),
         "records": [(r.op, r.phase) for r in acct.records],
         "sent": acct.bytes_sent("all_to_all", "forward"),
         "received": acct.bytes_received("all_to_all", "forward"),
@@ -96,6 +101,7 @@ def test_switch_is_one_all_to_all_each_way() -> None:
     s_sizes = [4, 3, 3, 3]    # tensor_split(13, 4)
     for rank, res in enumerate(results):
         assert res["records"] == [("all_to_all", "forward"), ("all_to_all", "backward")]
+        assert res["after"] == n
         # rank sends its T-chunk of every other rank's S-chunk
         sent = sum(2 * t_sizes[rank] * s * 4 * itemsize for j, s in enumerate(s_sizes) if j != rank)
         received = sum(2 * t * s_sizes[rank] * 4 * itemsize for i, t in enumerate(t_sizes) if i != rank)
