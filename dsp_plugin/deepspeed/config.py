@@ -1,0 +1,101 @@
+"""The DeepSpeed config key that turns DSP on, read and checked before any collective.
+
+The key mirrors Megatron's ``--sequence-parallel-mode dsp`` and reuses
+DeepSpeed's own size key::
+
+    "sequence_parallel_mode": "dsp",
+    "sequence_parallel_size": 4
+
+Why these two keys rather than a ``"dsp": {...}`` section: ``sequence_parallel_size``
+already means "ranks that share one sample" to DeepSpeed (its batch arithmetic
+divides the world by it), so the batch sizes in a config stay correct whether
+DSP or DeepSpeed-Ulysses consumes it; the mode key only says which algorithm
+uses those ranks. Without the mode key nothing here applies and DeepSpeed runs
+unchanged.
+
+Every check below needs only the config and the world size, never a
+collective, so a bad config raises the same ``ValueError`` on every rank and
+no rank is left waiting in a rendezvous.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dsp_plugin.topology import validate_sizes
+
+__all__ = ["MODES", "MODE_KEY", "SIZE_KEY", "ULYSSES_MESH_KEYS", "DSPSettings", "parse_dsp_config"]
+
+MODE_KEY = "sequence_parallel_mode"
+SIZE_KEY = "sequence_parallel_size"
+#: With ``sequence_parallel_size`` this makes ``deepspeed.initialize`` build its own
+#: (data_parallel, sequence_parallel) device mesh, which reduces gradients over DP
+#: only; DeepSpeed's groups would then shadow the DSP ones.
+ULYSSES_MESH_KEYS = ("data_parallel_size",)
+MODES = ("dsp",)
+
+
+@dataclass(frozen=True)
+class DSPSettings:
+    """What the key asks for: the DSP size and the ZeRO settings the gradient fix depends on."""
+
+    size: int
+    zero_stage: int
+    reduce_scatter: bool
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"DeepSpeed config: {name!r} must be a positive int, got {value!r}")
+    return value
+
+
+def parse_dsp_config(config: Mapping[str, Any], *, world_size: int | None = None) -> DSPSettings | None:
+    """Return the DSP settings, or None when the config does not ask for DSP.
+
+    ``world_size=None`` skips the divisibility check (used before
+    torch.distributed exists); every other check runs regardless.
+    """
+    if not isinstance(config, Mapping):
+        raise TypeError(f"DeepSpeed config: expected a dict, got {type(config).__name__}")
+    if MODE_KEY not in config:
+        return None
+    mode = config[MODE_KEY]
+    if mode not in MODES:
+        raise ValueError(f"DeepSpeed config: unknown {MODE_KEY!r} {mode!r}; expected one of {list(MODES)} "
+                         f"(leave the key out to run DeepSpeed's own sequence parallelism)")
+    if SIZE_KEY not in config:
+        raise ValueError(f"DeepSpeed config: {MODE_KEY!r}: {mode!r} needs {SIZE_KEY!r}, the number of ranks "
+                         f"that share one sample (the DSP size)")
+    size = _positive_int(SIZE_KEY, config[SIZE_KEY])
+    clashing = [key for key in ULYSSES_MESH_KEYS if key in config]
+    if clashing:
+        raise ValueError(f"DeepSpeed config: {MODE_KEY!r}: {mode!r} cannot be combined with DeepSpeed's Ulysses "
+                         f"mesh key(s) {clashing} (with {SIZE_KEY!r} they build a (data_parallel, "
+                         f"sequence_parallel) mesh that reduces gradients over DP only); remove them: "
+                         f"DSP takes data parallelism as world size / {SIZE_KEY}")
+    zero = config.get("zero_optimization") or {}
+    if not isinstance(zero, Mapping):
+        raise TypeError(f"DeepSpeed config: 'zero_optimization' must be a dict, got {zero!r}")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"DeepSpeed config: zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    reduce_scatter = bool(zero.get("reduce_scatter", True))
+    if stage == 3 and not reduce_scatter:
+        # ZeRO-3's all-reduce path averages per bucket: buckets that fit the contiguous
+        # buffer sum over SP, larger ones average over DP x SP, so no single factor fixes it.
+        raise ValueError("DeepSpeed config: DSP with ZeRO stage 3 needs zero_optimization.reduce_scatter=true "
+                         "(the default); with false, DeepSpeed 0.19 scales gradients differently per bucket")
+    mics, hpz = zero.get("mics_shard_size", -1), zero.get("zero_hpz_partition_size", 1)
+    if (mics or -1) > 0 or (hpz or 1) > 1:
+        raise ValueError(f"DeepSpeed config: zero_optimization mics_shard_size={mics!r} / "
+                         f"zero_hpz_partition_size={hpz!r} are not supported with DSP (their reduction "
+                         f"groups are not measured); remove them")
+    if world_size is not None:
+        try:
+            validate_sizes(world_size, dsp=size)
+        except ValueError as exc:
+            raise ValueError(f"DeepSpeed config: {SIZE_KEY}={size} does not fit the world: {exc}") from None
+    return DSPSettings(size=size, zero_stage=stage, reduce_scatter=reduce_scatter)

@@ -1,0 +1,152 @@
+"""``initialize``: ``deepspeed.initialize`` with the same signature and return value, plus DSP.
+
+A training script changes one line::
+
+    engine, optimizer, loader, scheduler = dsp_plugin.deepspeed.initialize(args=args, model=model, ...)
+
+When the config carries ``"sequence_parallel_mode": "dsp"`` it, in order:
+
+1. checks the config on every rank before any collective (``config.parse_dsp_config``);
+2. initialises torch.distributed through DeepSpeed, skipping the CPU shared-memory
+   op that only inference uses (``skip_cpu_shm_build``);
+3. builds ``Topology(tp=1, dsp=sequence_parallel_size)`` and installs it, so the
+   primitives' ``group=None`` is the DSP group;
+4. for ZeRO-3, partitions the parameters over DP x DSP and registers the
+   gradient scale that makes every stage sum over DSP and average over DP
+   (``gradients.py``);
+5. calls ``deepspeed.initialize`` with a ``DeepSpeedMPU`` so ZeRO partitions and
+   reduces over DP x DSP and the batch arithmetic counts DP only;
+6. returns ``training_data`` wrapped in ``dsp_dataloader`` (identical batches
+   inside a DSP group, different across DP) instead of DeepSpeed's loader.
+
+Without the key every argument goes to ``deepspeed.initialize`` untouched.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from typing import Any
+
+import deepspeed
+import torch
+import torch.distributed as dist
+
+from dsp_plugin.data import dsp_dataloader
+from dsp_plugin.deepspeed.config import DSPSettings, parse_dsp_config
+from dsp_plugin.deepspeed.gradients import gradient_scale, install_gradient_scale, partition_for_zero3
+from dsp_plugin.deepspeed.mpu import DeepSpeedMPU
+from dsp_plugin.topology import Topology, set_topology
+
+__all__ = ["initialize", "load_config", "skip_cpu_shm_build"]
+
+#: Set to 1 to let DeepSpeed build its CPU shared-memory all-reduce op (inference only).
+SHM_ENV = "DSP_DEEPSPEED_SHM"
+
+
+def skip_cpu_shm_build() -> bool:
+    """Keep DeepSpeed from JIT-compiling ``deepspeed_shm_comm`` on the CPU accelerator.
+
+    ``deepspeed.comm.TorchBackend`` builds that op (about 30-60 s on a cold
+    cache) on every CPU init, but only ``inference_all_reduce`` uses it.
+    DeepSpeed gates the build on ``deepspeed.ops.__compatible_ops__``, a dict
+    that is computed once and documented to keep edits, so marking the op
+    incompatible is the supported switch. Returns whether it was skipped; must
+    run before DeepSpeed's communication backend is created.
+    """
+    if os.environ.get(SHM_ENV, "0") == "1":
+        return False
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return False
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return True
+
+
+def load_config(args: Any = None, config: Any = None, config_params: Any = None) -> dict[str, Any]:
+    """The config dict DeepSpeed will read, found the way ``deepspeed.initialize`` finds it."""
+    from deepspeed.runtime.tensor_parallel.init_utils import load_ds_config
+
+    if config is None:
+        config = config_params
+    for attr in ("deepspeed_config", "deepscale_config"):
+        if config is None and getattr(args, attr, None) is not None:
+            config = getattr(args, attr)
+    if config is None:
+        raise ValueError("DeepSpeed requires a config: pass config=... or --deepspeed_config")
+    return dict(load_ds_config(config))
+
+
+def _known_world_size() -> int | None:
+    if dist.is_initialized():
+        return dist.get_world_size()
+    env = os.environ.get("WORLD_SIZE", "")
+    return int(env) if env.isdigit() and int(env) > 0 else None
+
+
+def _destroy_at_exit() -> None:
+    # Some CPU (gloo) runs aborted at interpreter exit while the group was alive.
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Any = None, training_data: Any = None, lr_scheduler: Any = None,
+               distributed_port: int = 29500, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Any = None, config: Any = None, mesh_param: Any = None,
+               config_params: Any = None) -> tuple[Any, Any, Any, Any]:
+    """Drop-in for ``deepspeed.initialize``; DSP when the config says ``"sequence_parallel_mode": "dsp"``."""
+    passthrough = {"args": args, "model": model, "optimizer": optimizer, "model_parameters": model_parameters,
+                   "lr_scheduler": lr_scheduler, "distributed_port": distributed_port,
+                   "dist_init_required": dist_init_required, "collate_fn": collate_fn, "config": config,
+                   "config_params": config_params}
+    skip_cpu_shm_build()
+    settings = parse_dsp_config(load_config(args, config, config_params), world_size=_known_world_size())
+    if settings is None:
+        return deepspeed.initialize(training_data=training_data, mpu=mpu, mesh_param=mesh_param, **passthrough)
+    if mpu is not None:
+        raise ValueError("dsp_plugin.deepspeed.initialize: 'sequence_parallel_mode': 'dsp' supplies its own "
+                         "mpu; do not pass mpu= as well")
+    if mesh_param is not None:
+        raise ValueError(f"dsp_plugin.deepspeed.initialize: 'sequence_parallel_mode': 'dsp' cannot be combined "
+                         f"with DeepSpeed's Ulysses mesh (mesh_param={mesh_param!r})")
+    return _initialize_dsp(settings, training_data=training_data, **passthrough)
+
+
+def _initialize_dsp(settings: DSPSettings, *, training_data: Any, scale: float | None = None,
+                    zero3_partition: bool = True, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
+    """The DSP path of ``initialize``.
+
+    ``scale`` overrides the per-stage gradient scale and ``zero3_partition=False``
+    leaves ZeRO-3's partitioning to DeepSpeed: both only to measure DeepSpeed's
+    own behaviour (``tests/test_deepspeed_convention.py``).
+    """
+    if kwargs["model"] is None:
+        raise ValueError("dsp_plugin.deepspeed.initialize requires a model")
+    config = load_config(kwargs["args"], kwargs["config"], kwargs["config_params"])
+    created = not dist.is_initialized()
+    from deepspeed.accelerator import get_accelerator
+
+    deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                    distributed_port=kwargs["distributed_port"],
+                                    dist_init_required=kwargs["dist_init_required"])
+    if created:
+        atexit.register(_destroy_at_exit)
+    # The world is known now: re-check (raises on every rank, before any collective).
+    parse_dsp_config(config, world_size=dist.get_world_size())
+    topology = Topology.build(tp=1, dsp=settings.size)
+    set_topology(topology)
+    mpu = DeepSpeedMPU(topology)
+    if settings.zero_stage == 3 and zero3_partition:
+        partition_for_zero3(kwargs["model"], topology, config, mpu)
+    install_gradient_scale(kwargs["model"], gradient_scale(settings) if scale is None else scale)
+    engine, optimizer, _, scheduler = deepspeed.initialize(training_data=None, mpu=mpu, **kwargs)
+    loader = None
+    if training_data is not None:
+        extra = {} if kwargs["collate_fn"] is None else {"collate_fn": kwargs["collate_fn"]}
+        loader = dsp_dataloader(training_data, batch_size=engine.train_micro_batch_size_per_gpu(),
+                                shuffle=True, drop_last=engine.dataloader_drop_last(), **extra)
+    return engine, optimizer, loader, scheduler

@@ -1,0 +1,96 @@
+"""One gradient convention for every ZeRO stage: SUM over DSP, MEAN over DP.
+
+The DSP primitives are exact adjoints with no scaling, so each rank of a DSP
+group holds a partial gradient (the contribution of its shard of the sequence);
+the gradient of the global batch is the sum over the DSP group, averaged over
+data-parallel replicas. What DeepSpeed 0.19 does with our SP-aware ``mpu``
+(sources: ``runtime/engine.py``, ``zero/stage_1_and_2.py``, ``zero/stage3.py``;
+measured by ``python -m tests.test_deepspeed_convention``):
+
+=====  ===========================================  ===================  ==========================
+stage  DeepSpeed alone                              result               the plugin
+=====  ===========================================  ===================  ==========================
+0      all_reduce over DP x DSP, / (seq_dp / sp)    sum DSP, mean DP     nothing
+1, 2   (reduce-)scatter over DP x DSP, / (seq_dp/sp)  sum DSP, mean DP     nothing
+3      partitions over ``mpu`` DP only; reduce-     DSP ranks never      partition over DP x DSP
+       scatter / partition size                     reduced: drift       (``partition_for_zero3``)
+3      ... once partitioned over DP x DSP:          mean DSP, mean DP    x DSP on every local grad
+       reduce_scatter_coalesced / seq_dp
+=====  ===========================================  ===================  ==========================
+
+ZeRO-3's reduce-scatter ignores ``sequence_parallel_size``, so each local
+gradient is multiplied by the DSP size before DeepSpeed sees it. A tensor hook
+on each parameter runs before autograd accumulates into ``.grad`` and so
+before ZeRO's post-accumulate reduction hook, on every micro-batch and in
+every precision, for one elementwise multiply per parameter per backward.
+(Scaling the loss would do the same but needs a patched ``engine.backward``.)
+``tests/test_deepspeed_convention.py`` pins every stage against a
+single-process run and fails if DeepSpeed changes any row.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
+
+from dsp_plugin.deepspeed.config import DSPSettings
+
+if TYPE_CHECKING:
+    from dsp_plugin.topology import Topology
+
+__all__ = ["gradient_scale", "install_gradient_scale", "partition_for_zero3"]
+
+
+def gradient_scale(settings: DSPSettings) -> float:
+    """The factor that turns DeepSpeed's reduction of partial gradients into sum-DSP / mean-DP."""
+    if settings.zero_stage == 3:
+        return float(settings.size)
+    return 1.0
+
+
+def install_gradient_scale(module: torch.nn.Module, scale: float) -> list[RemovableHandle]:
+    """Multiply every trainable parameter's incoming gradient by ``scale`` (replacing earlier ones).
+
+    Tensor hooks always run before ZeRO's post-accumulate-grad hooks, whatever
+    the registration order. Calling this again on the same module (a second
+    ``initialize``) replaces the hooks instead of stacking them; scale 1 removes them.
+    """
+    for handle in getattr(module, "_dsp_gradient_scale_hooks", []):
+        handle.remove()
+    handles = []
+    if scale != 1.0:
+        for param in module.parameters():
+            if param.requires_grad:
+                handles.append(param.register_hook(lambda grad, s=scale: grad * s))
+    module._dsp_gradient_scale_hooks = handles
+    return handles
+
+
+def partition_for_zero3(module: torch.nn.Module, topology: Topology, config: dict[str, Any], mpu: Any) -> None:
+    """Make ZeRO-3 partition (and so reduce-scatter) every parameter over DP x DSP.
+
+    ``deepspeed.initialize`` converts a plain module with
+    ``zero.Init(data_parallel_group=mpu.get_data_parallel_group())``: the DP group
+    only, so the reduce-scatter never crosses the DSP ranks and their partial
+    gradients are never summed (measured: each DSP rank steps with its own
+    shard's gradient and the replicas drift apart). Converting the module first
+    over the DP x DSP group, as ``zero.Init`` would by default on the world when
+    tp = pp = 1, puts the gradients where the reduction can see them;
+    DeepSpeed then skips its own conversion. A module already built under
+    ``zero.Init`` must have been partitioned over the same ranks.
+    """
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    expected = dist.get_world_size(topology.dp_dsp_group)
+    for name, param in module.named_parameters():
+        if is_zero_param(param) and dist.get_world_size(param.ds_process_group) != expected:
+            raise ValueError(f"ZeRO-3 with DSP: parameter {name!r} is partitioned over "
+                             f"{dist.get_world_size(param.ds_process_group)} ranks; expected DP x DSP = {expected} "
+                             f"(build the model under deepspeed.zero.Init() without data_parallel_group)")
+    if not all(is_zero_param(p) for p in module.parameters()):
+        deepspeed.zero.Init(module=module, data_parallel_group=topology.dp_dsp_group, config_dict_or_path=config,
+                            mpu=mpu)

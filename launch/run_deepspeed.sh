@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Train the tiny STDiT with DeepSpeed + DSP. Knobs (environment, with defaults):
+#   NPROC=4 DSP=2 ZERO=2 STEPS=10 LAUNCHER=deepspeed|torchrun PORT=29500 CONFIG=launch/ds_config_dsp.json
+# e.g.  NPROC=4 DSP=2 ZERO=3 ./launch/run_deepspeed.sh --save_dir /tmp/ckpt --save_at 5
+# Extra arguments go to launch/train_deepspeed.py. CPU + gloo unless DeepSpeed finds an accelerator.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+NPROC=${NPROC:-4}
+DSP=${DSP:-2}
+ZERO=${ZERO:-2}
+STEPS=${STEPS:-10}
+LAUNCHER=${LAUNCHER:-deepspeed}
+PORT=${PORT:-29500}
+CONFIG=${CONFIG:-launch/ds_config_dsp.json}
+PYTHON=${PYTHON:-python}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+# The config with this run's DSP size and ZeRO stage; the key itself comes from CONFIG.
+RUN_CONFIG=$(mktemp --suffix=.json)
+trap 'rm -f "$RUN_CONFIG"' EXIT
+"$PYTHON" - "$CONFIG" "$DSP" "$ZERO" "$RUN_CONFIG" <<'PY'
+import json, sys
+src, dsp, zero, dst = sys.argv[1:]
+config = json.load(open(src))
+config["sequence_parallel_size"] = int(dsp)
+config.setdefault("zero_optimization", {})["stage"] = int(zero)
+json.dump(config, open(dst, "w"), indent=1)
+PY
+
+ARGS=(launch/train_deepspeed.py --deepspeed_config "$RUN_CONFIG" --steps "$STEPS" "$@")
+case "$LAUNCHER" in
+  deepspeed) deepspeed --num_gpus "$NPROC" --master_port "$PORT" "${ARGS[@]}" ;;
+  torchrun)  torchrun --nproc_per_node "$NPROC" --master_port "$PORT" "${ARGS[@]}" ;;
+  *) echo "LAUNCHER must be deepspeed or torchrun, got '$LAUNCHER'" >&2; exit 2 ;;
+esac
