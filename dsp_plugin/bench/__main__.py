@@ -1,0 +1,86 @@
+"""``python -m dsp_plugin.bench``: DSP, Ulysses, Megatron-SP and Ring on N CPU ranks, plus the scale model.
+
+    python -m dsp_plugin.bench                  # N=4, full size
+    python -m dsp_plugin.bench --quick --nproc 2
+    python -m dsp_plugin.bench --scale-only     # only the 128-H100 predictions
+
+Writes ``bench_n{N}.json``, ``bench_n{N}.md``, ``bench_n{N}.png`` and
+``scale_model.png`` under ``--out`` (default ``bench_out/``). Progress goes to
+stderr; the tables to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+from dsp_plugin.bench import report, scale_report
+from dsp_plugin.bench.launch import spawn
+from dsp_plugin.bench.config import FULL, METHODS, QUICK
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m dsp_plugin.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=4, choices=(2, 4), help="CPU gloo ranks (default 4)")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 10 timed steps (well under a minute)")
+    parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (default bench_out/)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"comma-separated subset of {','.join(METHODS)}")
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (at least 10)")
+    parser.add_argument("--scale-only", action="store_true", help="print the scale model and exit")
+    args = parser.parse_args(argv)
+    methods = tuple(m for m in args.methods.split(",") if m)
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: unknown {unknown}; expected a subset of {list(METHODS)}")
+    if args.steps is not None and args.steps < 10:
+        parser.error(f"--steps={args.steps}: the median needs at least 10 timed steps")
+    args.methods = methods
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    scale_md = scale_report.markdown()
+    report.plot_scale(args.out / "scale_model.png")
+    (args.out / "scale_model.md").write_text(scale_md + "\n")
+    if args.scale_only:
+        print(scale_md)
+        return 0
+
+    cfg = QUICK if args.quick else FULL
+    if args.steps is not None:
+        cfg = dataclasses.replace(cfg, steps=args.steps)
+    print(f"[bench] {len(args.methods)} methods on {args.nproc} gloo ranks ({'quick' if args.quick else 'full'})",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    per_rank = spawn("dsp_plugin.bench.runner:worker", args.nproc, cfg, args.methods)
+    summary = report.summarize(per_rank, cfg, args.nproc)
+    summary["wall_s"] = time.perf_counter() - start
+    summary["scale_model"] = [
+        {"model": r["model"], "tokens": r["tokens"], "method": r["method"], "sp": r["sp"], "dp": r["dp"],
+         "step_s": r["pred"].step_s if r["pred"] is not None and r["pred"].feasible else None,
+         "note": r["note"]}
+        for r in scale_report.e2e_rows()]
+
+    stem = args.out / f"bench_n{args.nproc}"
+    table = report.markdown(summary)
+    stem.with_suffix(".json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    stem.with_suffix(".md").write_text(table + "\n\n## Scale model\n\n" + scale_md + "\n")
+    report.plot(summary, stem.with_suffix(".png"))
+    print(table)
+    print()
+    print(scale_md)
+    print(f"\n[bench] wrote {stem}.json, {stem}.md, {stem}.png, {args.out / 'scale_model.png'} "
+          f"in {summary['wall_s']:.1f}s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

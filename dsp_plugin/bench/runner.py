@@ -1,0 +1,221 @@
+"""What each bench rank does: every method on the same model and input, measured the same way.
+
+Per method, on every rank:
+
+1. one accounted step (forward + backward under ``CommAccounting``): the
+   collectives issued between the first block's entry and the last block's exit
+   (forward) and between the gradient reaching the last block's output and
+   leaving the first block's input (backward) are the per-layer traffic, divided
+   by the number of layers; the model's entry split and exit gather are left out,
+   as in paper Table 3. Saved-activation bytes come from the same step;
+2. the output compared with the single-process model (a sanity column);
+3. warm-up steps, with the peak RSS reset before and read after;
+4. once every method is built, the timed steps (zero_grad + forward + backward;
+   no optimizer and no gradient reduction, which are the same for every
+   method), interleaved across methods in rotating order, so that load drift
+   on a shared machine hits every method alike.
+
+Then a micro-benchmark: one ``dynamic_switch`` of the bench's activation
+against one bare ``all_to_all_single`` of the same bytes.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.bench.config import BenchConfig
+
+_START = time.perf_counter()
+
+
+def progress(rank: int, message: str) -> None:
+    """One line on stderr from rank 0, with seconds since this rank started."""
+    if rank == 0:
+        print(f"[bench {time.perf_counter() - _START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def _peak_rss_reset() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM (Linux >= 4.0)
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss_bytes() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"VmHWM:\s+(\d+) kB", f.read())
+        return int(match.group(1)) * 1024 if match else 0
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def build_model(cfg: BenchConfig) -> nn.Module:
+    from dsp_plugin.models import STDiT, STDiTConfig
+
+    torch.manual_seed(0)
+    # no cross-attention: the paper's 2D-Transformer (appendix A.1)
+    return STDiT(STDiTConfig(depth=cfg.depth, hidden_size=cfg.hidden, num_heads=cfg.heads, text_dim=None))
+
+
+def parallelize(method: str, model: nn.Module) -> nn.Module:
+    if method == "dsp":
+        from dsp_plugin.models import parallelize as dsp_parallelize
+
+        return dsp_parallelize(model)
+    from dsp_plugin.baselines import PARALLELIZE
+
+    return PARALLELIZE[method](model)
+
+
+class _LayerWindow:
+    """Record indices that bracket the blocks in forward and in backward (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, acct: CommAccounting) -> None:
+        self.acct, self.marks = acct, {}
+        first, last = model.blocks[0], model.blocks[-1]
+
+        def mark(name: str) -> Any:
+            def hook(*_: Any) -> None:
+                self.marks[name] = len(acct.records)
+            return hook
+
+        def first_pre(module: nn.Module, args: tuple[Any, ...]) -> None:
+            mark("fwd_start")()
+            if args[0].requires_grad:
+                args[0].register_hook(mark("bwd_end"))
+
+        def last_post(module: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+            mark("fwd_end")()
+            out.register_hook(mark("bwd_start"))
+
+        self.handles = [first.register_forward_pre_hook(first_pre, prepend=True),
+                        last.register_forward_hook(last_post)]
+
+    def bytes_sent(self, phase: str) -> int:
+        lo, hi = self.marks[f"{phase}_start"], self.marks[f"{phase}_end"]
+        return sum(r.bytes_sent for r in self.acct.records[lo:hi])
+
+    def ops(self, phase: str) -> dict[str, int]:
+        lo, hi = self.marks[f"{phase}_start"], self.marks[f"{phase}_end"]
+        out: dict[str, int] = {}
+        for r in self.acct.records[lo:hi]:
+            out[r.op] = out.get(r.op, 0) + 1
+        return out
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _inputs(cfg: BenchConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(cfg.batch, 4, cfg.frames, cfg.height, cfg.width, generator=g)
+    weight = torch.randn(latents.shape, generator=g)
+    return latents, torch.arange(cfg.batch, dtype=torch.float32) * 7.0, weight
+
+
+def _train_step(model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, weight: torch.Tensor) -> None:
+    model.zero_grad(set_to_none=True)
+    (model(latents, timestep) * weight).sum().backward()
+
+
+def measure_method(method: str, cfg: BenchConfig, rank: int) -> tuple[nn.Module, dict[str, Any]]:
+    """Phase 1 for one method: traffic, saved activations, error, peak RSS. Returns the model for phase 2."""
+    reference = build_model(cfg)
+    model = parallelize(method, copy.deepcopy(reference))
+    latents, timestep, weight = _inputs(cfg)
+
+    progress(rank, f"{method}: accounted step, {cfg.warmup} warm-up steps")
+    with CommAccounting() as acct:
+        window = _LayerWindow(model, acct)
+        x = latents.clone().requires_grad_()
+        out = model(x, timestep)
+        (out * weight).sum().backward()
+    window.remove()
+    with torch.no_grad():
+        max_err = (out.detach() - reference(latents, timestep)).abs().max().item()
+    del out, x, reference
+    _peak_rss_reset()
+    for _ in range(cfg.warmup):
+        _train_step(model, latents, timestep, weight)
+    return model, {
+        "fwd_bytes_per_layer": window.bytes_sent("fwd") / cfg.depth,
+        "bwd_bytes_per_layer": window.bytes_sent("bwd") / cfg.depth,
+        "fwd_ops": window.ops("fwd"),
+        "bwd_ops": window.ops("bwd"),
+        "saved_activation_bytes": acct.saved_activation_bytes,
+        "peak_rss_bytes": _peak_rss_bytes(),
+        "max_abs_err_vs_single": max_err,
+    }
+
+
+def time_methods(models: dict[str, nn.Module], cfg: BenchConfig, rank: int) -> dict[str, list[float]]:
+    """Phase 2: timed steps, interleaved across methods (rotating order), so load drift on a
+    shared machine hits every method alike instead of whichever ran last."""
+    latents, timestep, weight = _inputs(cfg)
+    names = list(models)
+    times: dict[str, list[float]] = {m: [] for m in names}
+    for step in range(cfg.steps):
+        if step % 5 == 0:
+            progress(rank, f"timed steps {step + 1}-{min(step + 5, cfg.steps)} of {cfg.steps}, "
+                           f"interleaved over {', '.join(names)}")
+        for method in names[step % len(names):] + names[:step % len(names)]:
+            start = time.perf_counter()
+            _train_step(models[method], latents, timestep, weight)
+            times[method].append(time.perf_counter() - start)
+    return times
+
+
+def micro_benchmark(cfg: BenchConfig, rank: int, n: int) -> dict[str, Any]:
+    """Median seconds of one S(T) -> S(S) switch and one bare all_to_all_single of the same bytes."""
+    from dsp_plugin.baselines.comm import bare_all_to_all
+    from dsp_plugin.comm import chunk_sizes, dynamic_switch
+
+    progress(rank, f"micro-benchmark: switch vs bare all_to_all_single, {cfg.micro_reps} reps")
+    frames = chunk_sizes(cfg.frames, n)[rank]
+    x = torch.randn(cfg.batch, frames, cfg.spatial, cfg.hidden)            # [B, T/N, S, D]
+    flat = x.reshape(-1).clone()
+    group = dist.group.WORLD
+    results: dict[str, list[float]] = {"switch": [], "all_to_all_single": []}
+    for _ in range(3):  # warm-up
+        dynamic_switch(x, 1, 2, global_len=cfg.frames)
+        bare_all_to_all(flat, group=group)
+    for _ in range(cfg.micro_reps):
+        start = time.perf_counter()
+        dynamic_switch(x, 1, 2, global_len=cfg.frames)
+        results["switch"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        bare_all_to_all(flat, group=group)
+        results["all_to_all_single"].append(time.perf_counter() - start)
+    return {"bytes_per_rank": x.numel() * x.element_size(),
+            **{k: statistics.median(v) for k, v in results.items()}}
+
+
+def worker(rank: int, world_size: int, cfg: BenchConfig, methods: tuple[str, ...]) -> dict[str, Any]:
+    """Entry point of one bench rank; returns this rank's raw numbers."""
+    out: dict[str, Any] = {"methods": {}}
+    models: dict[str, nn.Module] = {}
+    for i, method in enumerate(methods):
+        progress(rank, f"[{i + 1}/{len(methods)}] {method}")
+        try:
+            models[method], out["methods"][method] = measure_method(method, cfg, rank)
+        except (ValueError, ImportError) as exc:  # head limit, DeepSpeed missing: reported, not fatal
+            out["methods"][method] = {"error": str(exc)}
+    for method, times in time_methods(models, cfg, rank).items():
+        out["methods"][method]["step_times_s"] = times
+    out["micro"] = micro_benchmark(cfg, rank, world_size)
+    return out
