@@ -27,7 +27,7 @@ class WorkerError(RuntimeError):
 
 
 def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_file: str,
-            results: Any, args: tuple) -> None:
+            results: Any, args: tuple, final_barrier: bool) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
     import torch.distributed as dist
@@ -39,7 +39,8 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_file: str,
         try:
             dist.barrier()   # every pair connected before anyone can leave
             value = fn(rank, world_size, *args)
-            dist.barrier()   # nobody tears gloo down while a peer still needs it
+            if final_barrier:  # nobody tears gloo down while a peer still needs it
+                dist.barrier()
         finally:
             from dsp_plugin.topology import set_topology
 
@@ -50,8 +51,12 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, init_file: str,
         results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
+                    final_barrier: bool = True) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the values by rank.
+
+    ``final_barrier=False`` is for tests that leave a rank stuck in a collective on
+    purpose: the others must leave at once so the stuck one sees its peers gone.
 
     ``fn`` must be importable (defined at module level) and its arguments and
     return value picklable.
@@ -60,7 +65,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_file, results, args), daemon=False)
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, init_file, results, args, final_barrier), daemon=False)
                  for r in range(world_size)]
         for p in procs:
             p.start()
