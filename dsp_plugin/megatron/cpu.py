@@ -1,0 +1,164 @@
+"""Running the Megatron pieces on CPU (gloo) for tests and CI: a small CUDA shim and a train step.
+
+megatron-core assumes CUDA in a few device queries even where the tensors
+could live anywhere. ``cuda_shim()`` answers exactly those, and only while
+CUDA is absent (on a GPU machine it does nothing):
+
+============================================  =============================================
+replaced (CPU only)                           Megatron call site that needs it
+============================================  =============================================
+``torch.cuda.current_device() -> cpu``        DDP grad buffers (``param_and_grad_buffer``),
+                                              pipeline p2p receive buffers
+``torch.cuda.current_stream()`` no-op stream  ``start_grad_sync`` waits on CUDA-graph events
+``torch.cuda.get_device_properties`` sm_90    ``validate_args`` (``get_device_arch_version``)
+``torch.cuda.synchronize()`` no-op             p2p ``_communicate_shapes`` (variable lengths)
+``torch.cuda.Stream()``, ``stream()`` no-ops    ``get_model`` wraps DDP on a side stream
+``torch.cuda.get/set_rng_state`` (empty)      rerun state machine saves the CUDA RNG per step
+``device="cuda"`` in factory calls -> cpu     schedules (``total_num_tokens``), p2p shapes
+(a ``TorchFunctionMode``), ``Tensor.cuda()``
+============================================  =============================================
+
+With the shim, ``megatron.training``'s ``setup_model_and_optimizer`` (get_model,
+DDP, Megatron's optimizer and LR scheduler) and ``train_step`` run on CPU; the
+launch uses them. ``train_step`` here is the tests' smaller loop: zero the DDP
+grad buffers, Megatron's ``forward_backward_func`` with ``finalize_model_grads``,
+then a plain torch optimizer on ``main_grad`` (SGD keeps the comparison exact).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.overrides import TorchFunctionMode
+
+from dsp_plugin.megatron.steps import forward_step
+
+__all__ = ["cuda_shim", "install_cuda_shim", "train_step", "wrap_ddp"]
+
+
+class _NoStream:
+    """Stands in for a CUDA stream on CPU, where all work is synchronous."""
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+
+def _device_properties(device: Any = None) -> types.SimpleNamespace:
+    return types.SimpleNamespace(major=9, minor=0, name="cpu (dsp_plugin cuda_shim)", total_memory=0)
+
+
+_SHIMS = {
+    "current_device": lambda: torch.device("cpu"),
+    "current_stream": lambda device=None: _NoStream(),
+    "get_device_properties": _device_properties,
+    "synchronize": lambda device=None: None,
+    "Stream": lambda *args, **kwargs: _NoStream(),
+    "stream": lambda stream=None: contextlib.nullcontext(),
+    # there is no CUDA generator on CPU: nothing to save, nothing to restore
+    "get_rng_state": lambda device="cuda": torch.empty(0, dtype=torch.uint8),
+    "set_rng_state": lambda new_state, device="cuda": None,
+}
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)  # a CUDA ordinal
+
+
+class _CudaTensorsOnCpu(TorchFunctionMode):
+    """Maps ``device="cuda"`` (and CUDA ordinals) in torch calls to the CPU; ``Tensor.cuda()`` is a no-op."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if "device" in kwargs and _is_cuda(kwargs["device"]):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+_MODE: list[_CudaTensorsOnCpu] = []
+
+
+def install_cuda_shim() -> dict[str, Any]:
+    """Install the shim when CUDA is unavailable; returns what it replaced (empty on a GPU machine)."""
+    if torch.cuda.is_available():
+        return {}
+    replaced = {}
+    for name, shim in _SHIMS.items():
+        if getattr(torch.cuda, name) is not shim:
+            replaced[name] = getattr(torch.cuda, name)
+            setattr(torch.cuda, name, shim)
+    if not _MODE:
+        _MODE.append(_CudaTensorsOnCpu())
+        _MODE[0].__enter__()
+        replaced["_mode"] = _MODE[0]
+    return replaced
+
+
+@contextlib.contextmanager
+def cuda_shim() -> Iterator[None]:
+    """``install_cuda_shim`` for the duration of a block, restored afterwards."""
+    replaced = install_cuda_shim()
+    try:
+        yield
+    finally:
+        for name, original in replaced.items():
+            if name == "_mode":
+                _MODE.pop().__exit__(None, None, None)
+            else:
+                setattr(torch.cuda, name, original)
+
+
+def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, *, bucket_size: int | None = None,
+             ) -> DistributedDataParallel:
+    """Megatron DDP as ``get_model`` builds it; gradients average over DP x CP (= DP x DSP)."""
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False, bucket_size=bucket_size)
+    ddp = DistributedDataParallel(config, ddp_config, model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = ddp.no_sync
+    return ddp
+
+
+def train_step(model: list[DistributedDataParallel], data_iterator: Any, optimizer: torch.optim.Optimizer, *,
+               num_microbatches: int, micro_batch_size: int, seq_length: int) -> tuple[float, float] | None:
+    """One step with a plain torch optimizer (the tests' oracle loop).
+
+    Returns this rank's reported ``(value, count)`` summed over micro-batches on the
+    last stage, else None; the loss is ``sum(value) / sum(count)`` over all ranks
+    (what ``megatron.training``'s ``train_step`` computes with an all-reduce).
+    """
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad(set_to_none=True)
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=model,
+        num_microbatches=num_microbatches, seq_length=seq_length, micro_batch_size=micro_batch_size,
+        forward_only=False)
+    for chunk in model:  # what Megatron's optimizer does first: use the reduced main_grad
+        for param in chunk.module.parameters():
+            param.grad = param.main_grad.to(param.dtype)
+    optimizer.step()
+    if not losses:
+        return None
+    value, count = torch.stack([entry["loss"].float() for entry in losses]).sum(dim=0).tolist()
+    return value, count

@@ -1,0 +1,161 @@
+"""ModuleSpecs for the spatial-temporal blocks: megatron-core TransformerLayers, swapped through specs.
+
+Each DSP block is an unmodified megatron-core ``TransformerLayer``; only its
+submodules are chosen here, the way ``gpt_layer_specs.py`` does it:
+
+- ``local_layer_spec()``: Megatron's local GPT layer (``ColumnParallelLinear`` /
+  ``RowParallelLinear``) with bidirectional attention, :class:`SDPACoreAttention`
+  as core attention and torch norms that allow Megatron-SP
+  (:class:`SequenceParallelTorchNorm`). Megatron's own local
+  ``DotProductAttention`` allocates its score buffer with
+  ``torch.cuda.current_device()``; the torch SDPA kernel runs on CPU and GPU alike.
+- ``te_layer_spec()``: Transformer Engine linears (``TELayerNormColumnParallelLinear``,
+  ``TERowParallelLinear``) and ``TEDotProductAttention``. TE is imported lazily,
+  so this module imports on a CPU machine without transformer-engine. FP8 comes
+  from TE's fp8 autocast (``quantization_context``) when ``config.fp8`` is set.
+
+Attention stays local: DSP never shards the dim a block attends along, and the
+model's ``TransformerConfig`` keeps ``context_parallel_size == 1`` even though the
+DSP group sits in parallel_state's context-parallel slot, so TE does not start
+its own ring attention. TP splits heads (QKV column-parallel, output
+row-parallel) and the MLP inside each layer, as in any Megatron GPT layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+__all__ = ["SDPACoreAttention", "SequenceParallelTorchNorm", "layer_spec", "local_layer_spec", "quantization_context",
+           "te_available", "te_layer_spec"]
+
+
+class SDPACoreAttention(MegatronModule):
+    """Core attention ``softmax(q k^T / sqrt(d)) v`` with torch's fused SDPA kernel, no mask.
+
+    Same constructor and forward contract as megatron-core's ``DotProductAttention``:
+    q, k, v ``[s, b, heads_per_tp_rank, head_dim]`` -> ``[s, b, heads_per_tp_rank * head_dim]``.
+    ``s`` is the dim the block attends along (spatial or temporal); ``b`` folds the
+    batch with every other dim, which is why DSP may shard any of them freely.
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: AttnMaskType,
+                 attention_type: str, attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 pg_collection: Any = None) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPACoreAttention: the model's TransformerConfig must keep "
+                             f"context_parallel_size=1 under DSP, got {config.context_parallel_size}")
+        if attn_mask_type not in (AttnMaskType.no_mask, AttnMaskType.padding):
+            raise ValueError(f"SDPACoreAttention: attn_mask_type={attn_mask_type} is not supported; "
+                             "spatial-temporal blocks attend bidirectionally (no_mask)")
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.softmax_scale = softmax_scale
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SDPACoreAttention: masks, biases and packed sequences are not supported")
+        # [s, b, h, d] -> [b, h, s, d]; grouped-query heads are expanded to the query count
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if k.shape[1] != q.shape[1]:
+            repeat = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale)
+        # [b, h, s, d] -> [s, b, h * d]
+        return out.permute(2, 0, 1, 3).flatten(2)
+
+
+class SequenceParallelTorchNorm:
+    """megatron-core's ``WrappedTorchNorm`` (torch LayerNorm/RMSNorm), allowing Megatron-SP.
+
+    Megatron's wrapper refuses ``config.sequence_parallel`` (it leaves that to Apex
+    and TE norms). Under Megatron-SP a norm sees 1/TP of the tokens, so its weight
+    gradient is partial over TP; marking the parameters ``sequence_parallel`` makes
+    ``finalize_model_grads`` all-reduce them over TP, exactly what it does for the
+    fused norms. Without SP this is plain ``torch.nn.LayerNorm``.
+    """
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                persist_layer_norm: bool = False, zero_centered_gamma: bool = False,
+                normalization: str = "LayerNorm") -> torch.nn.Module:
+        if config.normalization not in ("LayerNorm", "RMSNorm"):
+            raise ValueError(f"SequenceParallelTorchNorm: normalization={config.normalization!r}; "
+                             "expected 'LayerNorm' or 'RMSNorm'")
+        norm_cls = torch.nn.LayerNorm if config.normalization == "LayerNorm" else torch.nn.RMSNorm
+        norm = norm_cls(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _bidirectional(submodules: Any) -> Any:
+    """Copy of a GPT layer's submodules with attention unmasked (GPT specs hard-code causal)."""
+    submodules = copy.deepcopy(submodules)
+    submodules.self_attention.params = dict(submodules.self_attention.params or {},
+                                            attn_mask_type=AttnMaskType.no_mask)
+    return submodules
+
+
+def local_layer_spec() -> ModuleSpec:
+    """Megatron-core local layer (TP-aware linears, torch norms) with SDPA core attention."""
+    submodules = _bidirectional(get_gpt_layer_local_submodules())
+    submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    submodules.input_layernorm = SequenceParallelTorchNorm
+    submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    return ModuleSpec(module=TransformerLayer, submodules=submodules)
+
+
+def te_available() -> bool:
+    """True when transformer_engine imports (it needs CUDA; never on the CPU CI machine)."""
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or OSError/RuntimeError from missing CUDA libraries
+        return False
+    return True
+
+
+def te_layer_spec() -> ModuleSpec:
+    """Transformer Engine layer: fused LayerNorm+QKV, TE attention, TE MLP (FP8-capable)."""
+    if not te_available():
+        raise RuntimeError("te_layer_spec: transformer_engine is not importable here (it needs CUDA); "
+                           "use --transformer-impl local on CPU")
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_submodules
+
+    submodules = _bidirectional(get_gpt_layer_with_transformer_engine_submodules())
+    return ModuleSpec(module=TransformerLayer, submodules=submodules)
+
+
+def layer_spec(transformer_impl: str) -> ModuleSpec:
+    """The spec for Megatron's ``--transformer-impl`` (``local`` or ``transformer_engine``)."""
+    if transformer_impl == "local":
+        return local_layer_spec()
+    if transformer_impl == "transformer_engine":
+        return te_layer_spec()
+    raise ValueError(f"layer_spec: transformer_impl={transformer_impl!r}; expected 'local' or "
+                     "'transformer_engine'")
+
+
+def quantization_context(config: TransformerConfig) -> contextlib.AbstractContextManager:
+    """TE fp8 autocast around the blocks when ``config.fp8`` is set, else a null context.
+
+    ``TransformerBlock`` does this for GPT; the DSP model drives its layers itself,
+    so it opens the same megatron-core context (``get_fp8_context``) once per forward.
+    """
+    if not getattr(config, "fp8", None):
+        return contextlib.nullcontext()
+    from megatron.core.fp8_utils import get_fp8_context
+
+    return get_fp8_context(config)

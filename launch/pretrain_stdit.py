@@ -1,0 +1,148 @@
+"""Pretrain the spatial-temporal DiT on synthetic video latents with megatron.training and DSP.
+
+    torchrun --nproc-per-node 4 launch/pretrain_stdit.py --sequence-parallel-mode dsp --dsp-size 4 ...
+
+(``launch/run_megatron.sh`` fills in the rest from environment variables.)
+
+On a GPU machine this is a plain Megatron launch: ``parse_and_validate_args``
+with the DSP ``extra_args_provider``, then ``megatron.training.pretrain()``
+with this file's dataset provider, model provider and forward step.
+
+On CPU (gloo) ``pretrain()`` itself cannot run: ``initialize_megatron`` asserts
+CUDA and, without GPUs, skips ``initialize_model_parallel``; ``pretrain`` then
+all-reduces start-up timestamps and warms up torch.compile'd fusions; its
+``train()`` loop logs CUDA memory. ``cpu_pretrain`` runs the same sequence with
+Megatron's own functions (see docs/megatron.md for the exact list):
+
+1. ``parse_and_validate_args`` (real, with the DSP provider);
+2. ``init_process_group("gloo")`` and ``initialize_model_parallel`` with DSP in the
+   CP slot: what ``_initialize_distributed`` does when it finds GPUs;
+3. ``initialize_megatron(allow_no_cuda=True)``: seeds, rerun state machine,
+   autoresume, dataset helpers (real);
+4. ``setup_model_and_optimizer`` (real: ``get_model`` with this file's model
+   provider, megatron-core DDP, Megatron's optimizer and LR scheduler);
+5. ``build_train_valid_test_data_iterators`` (real Megatron samplers and loaders);
+6. ``train_step`` (real) per iteration, with the config ``train()`` sets up.
+
+``dsp_plugin.megatron.cpu.cuda_shim`` answers the CUDA device queries these make.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from megatron.core.enums import ModelType  # noqa: E402
+from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
+
+from dsp_plugin.megatron.arguments import add_dsp_arguments  # noqa: E402
+from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers  # noqa: E402
+from dsp_plugin.megatron.steps import (  # noqa: E402
+    SyntheticVideoDataset,
+    add_model_arguments,
+    forward_step,
+    model_provider,
+    video_shape_from_args,
+)
+
+ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer", "vocab_size": 1}
+
+
+def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """DSP options (the flag) plus the latent video geometry of the synthetic data."""
+    return add_model_arguments(add_dsp_arguments(parser))
+
+
+def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None,
+                                       ) -> tuple[SyntheticVideoDataset, None, None]:
+    """Synthetic latents; every rank builds its own copy (deterministic, nothing to broadcast)."""
+    args = get_args()
+    return SyntheticVideoDataset(video_shape_from_args(args), train_val_test_num_samples[0], seed=args.seed), None, None
+
+
+train_valid_test_datasets_provider.is_distributed = True
+
+
+def cpu_pretrain(args: argparse.Namespace) -> list[float]:
+    """``pretrain()``'s sequence on gloo; returns the losses it logged (last stage)."""
+    from datetime import timedelta
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.initialize import initialize_megatron
+    from megatron.training.training import (
+        build_train_valid_test_data_iterators,
+        setup_model_and_optimizer,
+        train_step,
+    )
+
+    from dsp_plugin.megatron.cpu import install_cuda_shim
+    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
+    from dsp_plugin.topology import set_topology
+
+    install_cuda_shim()
+    torch.set_num_threads(int(os.getenv("OMP_NUM_THREADS", "1")))
+    torch.distributed.init_process_group("gloo", rank=args.rank, world_size=args.world_size,
+                                         timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    losses: list[float] = []
+    try:
+        # what _initialize_distributed does with GPUs (it skips model parallelism without them)
+        initialize_dsp_model_parallel(tp=args.tensor_model_parallel_size, dsp=args.context_parallel_size,
+                                      pp=args.pipeline_model_parallel_size,
+                                      timeout_minutes=args.distributed_timeout_minutes)
+        initialize_megatron(allow_no_cuda=True)
+        model, optimizer, scheduler = setup_model_and_optimizer(
+            ModelType.encoder_or_decoder, model_provider, cfg_container=pretrain_cfg_container_from_args(args))
+        config = get_model_config(model[0])  # what train() sets before its loop
+        config.grad_scale_func = optimizer.scale_loss
+        config.finalize_model_grads_func = finalize_model_grads
+        train_iter, _, _ = build_train_valid_test_data_iterators(train_valid_test_datasets_provider)
+        for iteration in range(1, args.train_iters + 1):
+            start = time.time()
+            loss_dict, *_ = train_step(forward_step, train_iter, model, optimizer, scheduler, config,
+                                       get_forward_backward_func(), iteration=iteration - 1)
+            args.curr_iteration = iteration
+            if "loss" in loss_dict:
+                losses.append(float(loss_dict["loss"]))
+                if ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0 \
+                        and ps.get_context_parallel_rank() == 0:
+                    print(f" iteration {iteration:6d}/{args.train_iters:6d} | loss: {losses[-1]:.9E} | "
+                          f"lr: {scheduler.get_lr(optimizer.param_groups[0]):.3E} | "
+                          f"elapsed time per iteration (ms): {1000 * (time.time() - start):.1f}", flush=True)
+        return losses
+    finally:
+        ps.destroy_model_parallel()
+        set_topology(None)
+        torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        from dsp_plugin.megatron.cpu import install_cuda_shim
+
+        install_cuda_shim()  # validate_args asks for the device architecture
+    use_prebuilt_dataset_helpers()  # the megatron-core wheel has no Makefile for them
+    args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
+    print_rank_0(f"> sequence parallel mode: {args.sequence_parallel_mode}, dsp size {args.dsp_size} "
+                 f"(Megatron context-parallel slot), tp {args.tensor_model_parallel_size}, "
+                 f"pp {args.pipeline_model_parallel_size}, dp {args.data_parallel_size}")
+    if torch.cuda.is_available():
+        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+
+        pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
+                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+    else:
+        cpu_pretrain(args)
+
+
+if __name__ == "__main__":
+    main()

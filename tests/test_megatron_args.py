@@ -1,0 +1,114 @@
+"""``--sequence-parallel-mode dsp`` through Megatron's real argument parsing and validation.
+
+In-process: ``megatron.training.arguments.parse_args`` with the DSP
+``extra_args_provider`` and then Megatron's own ``validate_args``. Every DSP
+error is raised while parsing, i.e. before ``init_process_group`` on every rank.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.training")
+
+from dsp_plugin.megatron.arguments import add_dsp_arguments  # noqa: E402
+
+BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "48",
+        "--max-position-embeddings", "48", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
+        "--transformer-impl", "local", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1",
+        "--distributed-backend", "gloo"]
+
+
+def parse(monkeypatch: pytest.MonkeyPatch, argv: list[str], world_size: int, *, validate: bool = True):
+    from megatron.training.arguments import parse_args, validate_args
+
+    from dsp_plugin.megatron.cpu import cuda_shim
+
+    monkeypatch.setenv("WORLD_SIZE", str(world_size))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setattr(sys, "argv", ["pretrain_stdit.py", *BASE, *argv])
+    args = parse_args(extra_args_provider=add_dsp_arguments)
+    if validate:
+        with cuda_shim():  # validate_args asks for the GPU architecture
+            validate_args(args, {})
+    return args
+
+
+def test_dsp_takes_the_context_parallel_slot(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse(monkeypatch, ["--sequence-parallel-mode", "dsp", "--dsp-size", "2",
+                               "--tensor-model-parallel-size", "2"], world_size=8)
+    assert (args.sequence_parallel_mode, args.dsp_size, args.context_parallel_size) == ("dsp", 2, 2)
+    assert args.data_parallel_size == 2  # computed by Megatron: 8 / (tp 2 * cp 2 * pp 1)
+
+
+def test_default_dsp_size_takes_what_tp_and_pp_leave(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse(monkeypatch, ["--sequence-parallel-mode", "dsp", "--tensor-model-parallel-size", "2",
+                               "--pipeline-model-parallel-size", "2"], world_size=8)
+    assert (args.dsp_size, args.context_parallel_size, args.data_parallel_size) == (2, 2, 1)
+
+
+def test_mode_none_leaves_megatron_untouched(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse(monkeypatch, ["--context-parallel-size", "2"], world_size=2)
+    assert (args.sequence_parallel_mode, args.dsp_size, args.context_parallel_size) == ("none", 1, 2)
+
+
+@pytest.mark.parametrize("mode", [[], ["--sequence-parallel-mode", "dsp", "--dsp-size", "2"]])
+def test_megatron_sequence_parallel_keeps_working(monkeypatch: pytest.MonkeyPatch, mode: list[str]) -> None:
+    args = parse(monkeypatch, ["--sequence-parallel", "--tensor-model-parallel-size", "2", *mode], world_size=4)
+    assert args.sequence_parallel is True
+    assert args.dsp_size == (2 if mode else 1)
+
+
+@pytest.mark.parametrize(("argv", "world_size", "message"), [
+    (["--sequence-parallel-mode", "dsp", "--dsp-size", "4", "--tensor-model-parallel-size", "2"], 6,
+     "world size (6) is not divisible by tensor model parallel size (2) x dsp size (4) x pipeline model "
+     "parallel size (1) = 8"),
+    (["--sequence-parallel-mode", "dsp", "--tensor-model-parallel-size", "4"], 6,
+     "world size (6) is not divisible by tensor model parallel size (4) x pipeline model parallel size (1) = 4"),
+    (["--sequence-parallel-mode", "dsp", "--dsp-size", "2", "--context-parallel-size", "2"], 8,
+     "--sequence-parallel-mode dsp is incompatible with --context-parallel-size (2)"),
+    (["--dsp-size", "2"], 2, "--dsp-size (2) requires --sequence-parallel-mode dsp"),
+    (["--sequence-parallel-mode", "dsp", "--calculate-per-token-loss"], 2,
+     "--sequence-parallel-mode dsp is incompatible with --calculate-per-token-loss"),
+    (["--sequence-parallel-mode", "dsp", "--pipeline-model-parallel-size", "2",
+      "--num-layers-per-virtual-pipeline-stage", "1"], 4,
+     "does not support the interleaved (virtual) pipeline schedule yet: got "
+     "--num-layers-per-virtual-pipeline-stage (1)"),
+    (["--sequence-parallel-mode", "dsp", "--dsp-size", "0"], 2, "--dsp-size must be a positive integer, got 0"),
+    (["--sequence-parallel-mode", "dsp", "--dsp-size", "4", "--seq-length", "36"], 4,
+     "--seq-length (36) must be a multiple of 2 x dsp size (4) = 8"),
+])
+def test_bad_combinations_fail_while_parsing(monkeypatch: pytest.MonkeyPatch, argv: list[str], world_size: int,
+                                             message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse(monkeypatch, argv, world_size, validate=False)
+    assert message in str(info.value)
+
+
+def test_unknown_mode_is_an_argparse_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        parse(monkeypatch, ["--sequence-parallel-mode", "ulysses"], world_size=1, validate=False)
+    assert "invalid choice: 'ulysses'" in capsys.readouterr().err
+
+
+def test_parse_and_validate_args_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The entry point a launch calls, global variables included."""
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.global_vars import destroy_global_vars, get_args
+
+    from dsp_plugin.megatron.cpu import cuda_shim
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setattr(sys, "argv", ["pretrain_stdit.py", *BASE, "--sequence-parallel-mode", "dsp"])
+    try:
+        with cuda_shim():
+            parse_and_validate_args(extra_args_provider=add_dsp_arguments)
+        args = get_args()
+        assert (args.dsp_size, args.context_parallel_size, args.data_parallel_size) == (4, 4, 1)
+    finally:
+        destroy_global_vars()

@@ -1,0 +1,140 @@
+"""Layer specs, the CPU shim and the megatron-core compatibility hook (in-process, one gloo rank).
+
+The Transformer Engine / FP8 path needs CUDA: those tests carry ``gpu`` and
+skip with a reason on CPU. On a GPU machine they build the TE spec at world
+size 1, run bf16 and FP8 (TE fp8 autocast) and print the layer throughput.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
+
+from dsp_plugin.megatron.cpu import cuda_shim  # noqa: E402
+from dsp_plugin.megatron.layers import SDPACoreAttention, te_available, te_layer_spec  # noqa: E402
+
+needs_te = pytest.mark.skipif(not (torch.cuda.is_available() and te_available()),
+                              reason="Transformer Engine needs CUDA; this machine has none")
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A 1-rank gloo world with parallel_state initialised; torn down whatever happens."""
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
+                                             rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+        try:
+            ps.initialize_model_parallel(create_gloo_process_groups=False)
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
+
+
+def _config(**overrides: object):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
+                hidden_dropout=0.0, attention_dropout=0.0)
+    return TransformerConfig(**(base | overrides))
+
+
+def test_sdpa_core_attention_is_unmasked_softmax_attention() -> None:
+    """Megatron's local DotProductAttention cannot run on CPU (score buffer on ``current_device()``,
+    dropout under the CUDA RNG tracker); the swapped-in core attention computes the same
+    ``softmax(q k^T / sqrt(d)) v`` per (batch, head), with no mask, in Megatron's layouts."""
+    config = _config()
+    q, k, v = (torch.randn(5, 3, 4, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    ours = SDPACoreAttention(config, 1, AttnMaskType.no_mask, "self")(q, k, v, None)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / 8**0.5
+    expected = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), v).flatten(2)
+    assert ours.shape == (5, 3, 32)
+    torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_core_attention_refuses_context_parallel_config() -> None:
+    with pytest.raises(ValueError, match="context_parallel_size=1"):
+        SDPACoreAttention(_config(context_parallel_size=2), 1, AttnMaskType.no_mask, "self")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU shim")
+def test_cuda_shim_maps_cuda_to_cpu_and_restores() -> None:
+    with cuda_shim():
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.ones(1).cuda().device.type == "cpu"
+        assert torch.cuda.current_device() == torch.device("cpu")
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(2, device="cuda")
+
+
+@pytest.mark.skipif(te_available(), reason="checks the message when Transformer Engine is missing")
+def test_te_spec_without_te_says_why() -> None:
+    with pytest.raises(RuntimeError, match="transformer_engine is not importable"):
+        te_layer_spec()
+
+
+def test_prebuilt_dataset_helpers_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """megatron-core 0.19.2's wheel ships helpers_cpp but no Makefile, so initialize_megatron's
+    compile step exits the job; the hook skips ``make`` when the prebuilt extension imports."""
+    from megatron.core.datasets import utils
+
+    from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers
+
+    datasets_dir = os.path.dirname(utils.__file__)
+    assert importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None
+    assert not os.path.exists(os.path.join(datasets_dir, "Makefile")), "wheel ships a Makefile: hook obsolete?"
+    monkeypatch.setattr(utils, "compile_helpers", utils.compile_helpers)  # restored after the test
+
+    def no_make(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"make was run: {args}")
+
+    monkeypatch.setattr(subprocess, "run", no_make)
+    use_prebuilt_dataset_helpers()
+    utils.compile_helpers()  # would call make (and fail) without the hook
+
+
+@pytest.mark.gpu
+@needs_te
+@pytest.mark.parametrize("fp8", [None, "hybrid"])
+def test_te_layer_bf16_and_fp8(one_rank: None, fp8: str | None) -> None:
+    """TE spec at world size 1: forward/backward run, finite, and the throughput is printed."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from dsp_plugin.megatron.layers import quantization_context
+
+    if fp8 and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs sm_89 or newer")
+    config = _config(hidden_size=1024, num_attention_heads=16, bf16=True, params_dtype=torch.bfloat16,
+                     use_cpu_initialization=False, fp8=fp8)
+    layer = build_module(te_layer_spec(), config=config, layer_number=1).cuda()
+    x = torch.randn(256, 64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for _ in range(3):
+        with quantization_context(config):
+            out, _ = layer(x, attention_mask=None)
+        out.float().pow(2).mean().backward()
+    torch.cuda.synchronize()
+    start, iters = time.time(), 10
+    for _ in range(iters):
+        with quantization_context(config):
+            out, _ = layer(x, attention_mask=None)
+        out.float().pow(2).mean().backward()
+    torch.cuda.synchronize()
+    tokens_per_s = iters * x.shape[0] * x.shape[1] / (time.time() - start)
+    print(f"\nTE layer {fp8 or 'bf16'}: {tokens_per_s:,.0f} tokens/s (fwd+bwd, hidden 1024, 16 heads)")
+    assert torch.isfinite(out.float()).all() and torch.isfinite(x.grad.float()).all()
