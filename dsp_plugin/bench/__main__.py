@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from dsp_plugin.bench import report, scale_report
-from dsp_plugin.bench.launch import spawn
+from dsp_plugin.spawn import spawn
 from dsp_plugin.bench.config import FULL, METHODS, QUICK
 
 
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench] {len(args.methods)} methods on {args.nproc} gloo ranks ({'quick' if args.quick else 'full'})",
           file=sys.stderr, flush=True)
     start = time.perf_counter()
-    per_rank = spawn("dsp_plugin.bench.runner:worker", args.nproc, cfg, args.methods)
+    per_rank = spawn("dsp_plugin.bench.runner:worker", args.nproc, cfg, args.methods, timeout=900,
+                     collective_timeout_s=120)
     summary = report.summarize(per_rank, cfg, args.nproc)
     summary["wall_s"] = time.perf_counter() - start
     summary["scale_model"] = [
