@@ -13,6 +13,8 @@ STEPS=${STEPS:-10}
 LAUNCHER=${LAUNCHER:-deepspeed}
 PORT=${PORT:-29500}
 CONFIG=${CONFIG:-launch/ds_config_dsp.json}
+# The project's venv (scripts/setup.sh) when present, so python, deepspeed and torchrun resolve there.
+if [ -x .venv/bin/python ]; then export PATH="$PWD/.venv/bin:$PATH"; fi
 PYTHON=${PYTHON:-python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
