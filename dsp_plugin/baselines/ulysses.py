@@ -34,6 +34,9 @@ __all__ = ["UlyssesAttention", "parallelize_ulysses"]
 
 def _deepspeed_comm_ready() -> None:
     """DistributedAttention talks through ``deepspeed.comm``; wrap the existing torch process group."""
+    from dsp_plugin.deepspeed_env import skip_cpu_shm_build
+
+    skip_cpu_shm_build()  # the CPU shared-memory op is for inference; building it costs 30-60 s
     import deepspeed.comm as ds_comm
 
     if not ds_comm.is_initialized():

@@ -36,35 +36,10 @@ from dsp_plugin.data import dsp_dataloader
 from dsp_plugin.deepspeed.config import DSPSettings, parse_dsp_config
 from dsp_plugin.deepspeed.gradients import gradient_scale, install_gradient_scale, partition_for_zero3
 from dsp_plugin.deepspeed.mpu import DeepSpeedMPU
+from dsp_plugin.deepspeed_env import skip_cpu_shm_build
 from dsp_plugin.topology import Topology, set_topology
 
 __all__ = ["initialize", "load_config", "skip_cpu_shm_build"]
-
-#: Set to 1 to let DeepSpeed build its CPU shared-memory all-reduce op (inference only).
-SHM_ENV = "DSP_DEEPSPEED_SHM"
-
-
-def skip_cpu_shm_build() -> bool:
-    """Keep DeepSpeed from JIT-compiling ``deepspeed_shm_comm`` on the CPU accelerator.
-
-    ``deepspeed.comm.TorchBackend`` builds that op (about 30-60 s on a cold
-    cache) on every CPU init, but only ``inference_all_reduce`` uses it.
-    DeepSpeed gates the build on ``deepspeed.ops.__compatible_ops__``, a dict
-    that is computed once and documented to keep edits, so marking the op
-    incompatible is the supported switch. Returns whether it was skipped; must
-    run before DeepSpeed's communication backend is created.
-    """
-    if os.environ.get(SHM_ENV, "0") == "1":
-        return False
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu":
-        return False
-    import deepspeed.ops
-
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    return True
-
 
 def load_config(args: Any = None, config: Any = None, config_params: Any = None) -> dict[str, Any]:
     """The config dict DeepSpeed will read, found the way ``deepspeed.initialize`` finds it."""
