@@ -33,9 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dsp_plugin.bench import params
+from dsp_plugin.bench.config import METHODS
 from dsp_plugin.bench.params import Hardware, ModelSize
-
-METHODS = ("dsp", "ulysses", "megatron_sp", "ring")
 
 
 @dataclass(frozen=True)
