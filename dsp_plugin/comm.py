@@ -47,8 +47,24 @@ __all__ = [
     "group_rank",
     "group_size",
     "reduce_gradients",
+    "sharded_calls",
     "split",
 ]
+
+# How many split/dynamic_switch calls this process made on a group of size > 1.
+# Integrations read it to notice a model that never sharded its activations
+# (the DeepSpeed guard). A plain int: increments are atomic under the GIL.
+_sharded_calls = 0
+
+
+def sharded_calls() -> int:
+    """Number of ``split``/``dynamic_switch`` calls so far on a group of size > 1 (in this process)."""
+    return _sharded_calls
+
+
+def _count_sharded_call() -> None:
+    global _sharded_calls
+    _sharded_calls += 1
 
 # ---------------------------------------------------------------------------
 # groups and sizes
@@ -293,6 +309,7 @@ def split(x: torch.Tensor, tgt_shard: int, *, group: dist.ProcessGroup | None = 
     group, n = _group_and_size(group)
     if n == 1:
         return x
+    _count_sharded_call()
     return _Split.apply(x, dim, group, n, dist.get_rank(group))
 
 
@@ -336,6 +353,7 @@ def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
         return x
     rank = dist.get_rank(group)
     cur_full = _global_len("dynamic_switch", x, cur, global_len, group, n, rank)
+    _count_sharded_call()
     return _Switch.apply(x, cur, tgt, cur_full, group, n, rank)
 
 
