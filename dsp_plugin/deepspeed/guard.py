@@ -72,8 +72,8 @@ def _verdict(rows: torch.Tensor, topology: Topology) -> str | None:
                 f"rank(s) {unsharded}. Every DSP rank would compute the whole sequence and ZeRO would sum "
                 f"{size} identical gradients: training with gradients {size}x too large. Make the model "
                 f"DSP-aware before initialize: dsp_plugin.models.parallelize(model) for an STDiT-style model, or "
-                f"call dsp_plugin.split / dynamic_switch / gather in its forward (docs/deepspeed.md, 'Making a "
-                f"model DSP-aware'); or remove 'sequence_parallel_mode' to train without DSP.")
+                f"call dsp_plugin.split / dynamic_switch / gather in its forward (docs/deepspeed.md, 'From a "
+                f"DeepSpeed script to DSP'); or remove 'sequence_parallel_mode' to train without DSP.")
     bad = _ranks_disagreeing(rows[:, 1:], topology.layout["dsp"])
     if bad:
         return (f"dsp_plugin.deepspeed: the first forward's inputs differ inside DSP group(s) {bad}. The ranks "
