@@ -121,10 +121,18 @@ def local_micro(step: int, micro: int, *, dp: int, dp_rank: int, gas: int, mb: i
 
 
 def reference_steps(steps: int, *, dp: int, gas: int, mb: int, lr: float, clip: float = 0.0,
-                    optimizer: str = "sgd") -> dict[str, Any]:
-    """One process, whole batch of each step: losses, the first step's gradients, final parameters (fp32)."""
+                    optimizer: str = "sgd", initial: Params | None = None) -> dict[str, Any]:
+    """One process, whole batch of each step: losses, the first step's gradients, final parameters (fp32).
+
+    ``initial`` replaces ``make_plain``'s initial values: a model built in bf16 under
+    ``zero.Init`` draws other random numbers (torch's bf16 ``uniform_`` does not
+    reproduce the fp32 stream for larger tensors), so such a run is compared from
+    its own starting point.
+    """
     torch.set_num_threads(1)
     model = make_plain()
+    if initial is not None:
+        model.load_state_dict({k: torch.from_numpy(v) for k, v in initial.items()})
     opt = (torch.optim.SGD(model.parameters(), lr=lr) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0))
     losses, first_grads = [], None
@@ -141,4 +149,4 @@ def reference_steps(steps: int, *, dp: int, gas: int, mb: int, lr: float, clip: 
         losses.append(loss.item())
     return {"losses": losses, "grads": first_grads,
             "params": {n: p.detach().clone().numpy() for n, p in model.named_parameters()},
-            "initial": {n: p.detach().numpy() for n, p in make_plain().named_parameters()}}
+            "initial": initial or {n: p.detach().numpy() for n, p in make_plain().named_parameters()}}

@@ -11,6 +11,9 @@ uneven (T=5, S=3 at DSP=2). Checked per job, on every rank:
   loss per step;
 - the parameters' dtype after ``initialize`` (bf16 jobs).
 
+A model built under ``zero.Init()`` is compared from its own initial parameters
+(read back after ``initialize``): in bf16, torch draws other initial values.
+
 fp32 jobs cover gradient accumulation (2 micro-batches), clipping that acts (at
 half the first step's gradient norm), ZeRO-Offload of the optimizer (ZeRO-2) and
 of parameters and optimizer (ZeRO-3) and a model built under ``zero.Init()``;
@@ -84,10 +87,10 @@ def gradient_worker(rank: int, world_size: int, jobs: list[dict[str, Any]]) -> l
             model = make_dsp()
         opt = torch.optim.SGD(model.parameters(), lr=LR)
         engine, *_ = initialize(model=model, optimizer=opt, config=config)
+        initial = full_params(engine) if job.get("zero_init") else None
         dtypes = sorted({str(p.dtype) for p in engine.module.parameters()})
         topo = get_topology()
         dp, dp_rank = topo.dp, topo.coords()["dp"]
-        names = [n for n, _ in engine.module.named_parameters()]
         grads, losses = {}, []
         for step in range(STEPS):
             micro_losses = []
@@ -105,7 +108,7 @@ def gradient_worker(rank: int, world_size: int, jobs: list[dict[str, Any]]) -> l
             losses.append(sum(micro_losses) / job["gas"])
         params = full_params(engine)
         out.append({"grads": grads, "params": params, "losses": losses, "dtypes": dtypes, "dp_rank": dp_rank,
-                    "names": names})
+                    "initial": initial})
         engine.destroy()
     return out
 
@@ -132,9 +135,10 @@ def measure(world_size: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]
     runs = run_distributed(gradient_worker, world_size, jobs, timeout=900)
     rows = []
     for i, job in enumerate(jobs):
-        ref = reference_steps(STEPS, dp=dp, gas=job["gas"], mb=MB, lr=LR, clip=job.get("clip", 0.0))
-        update = {k: ref["params"][k] - ref["initial"][k] for k in ref["params"]}
         per_rank = [run[i] for run in runs]
+        ref = reference_steps(STEPS, dp=dp, gas=job["gas"], mb=MB, lr=LR, clip=job.get("clip", 0.0),
+                              initial=per_rank[0]["initial"])
+        update = {k: ref["params"][k] - ref["initial"][k] for k in ref["params"]}
         by_dp = {r["dp_rank"]: r["losses"] for r in per_rank}  # DSP ranks of a group report the same loss
         curve = [sum(c[k] for c in by_dp.values()) / dp for k in range(STEPS)]
         rows.append({
@@ -188,7 +192,8 @@ def jobs_for(world_size: int) -> list[dict[str, Any]]:
     bf16 = [{"precision": "bf16", "stage": stage, "gas": 1} for stage in (0, 1, 2, 3)]
     if world_size == 4:
         return fp32 + bf16
-    return bf16 + [{"precision": "fp32", "stage": 3, "gas": 1, "zero_init": True},
+    return bf16 + [{"precision": "bf16", "stage": 3, "gas": 1, "zero_init": True},
+                   {"precision": "fp32", "stage": 3, "gas": 1, "zero_init": True},
                    {"precision": "fp32", "stage": 2, "gas": 1, "unsharded": True}]
 
 

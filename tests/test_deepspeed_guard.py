@@ -63,6 +63,7 @@ def guard_worker(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.slow
 def test_refusals_and_guard_on_every_rank() -> None:
     results = run_distributed(guard_worker, 2, timeout=300)
+    print("\n".join(results[0][key] for key in ("pipeline", "unsharded", "inputs")))
     for rank, out in enumerate(results):
         assert "does not support DeepSpeed's pipeline engine" in out.get("pipeline", ""), (rank, out)
         assert out["topology_after_refusal"] is None, f"rank {rank}: groups were built before the refusal"

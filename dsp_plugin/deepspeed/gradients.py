@@ -86,13 +86,20 @@ def partition_for_zero3(module: torch.nn.Module, topology: Topology, config: dic
     from deepspeed.runtime.zero.partition_parameters import is_zero_param
 
     expected = dist.get_world_size(topology.dp_dsp_group)
+    dtype = param_dtype(config)
     for name, param in module.named_parameters():
-        if is_zero_param(param) and dist.get_world_size(param.ds_process_group) != expected:
+        if not is_zero_param(param):
+            continue
+        if dist.get_world_size(param.ds_process_group) != expected:
             raise ValueError(f"ZeRO-3 with DSP: parameter {name!r} is partitioned over "
                              f"{dist.get_world_size(param.ds_process_group)} ranks; expected DP x DSP = {expected} "
                              f"(build the model under deepspeed.zero.Init() without data_parallel_group)")
+        if dtype is not None and param.is_floating_point() and param.dtype != dtype:
+            raise ValueError(f"ZeRO-3 with DSP: parameter {name!r} was built under zero.Init as {param.dtype}, but "
+                             f"the config trains in {dtype} (DeepSpeed does not cast zero.Init models); build it "
+                             f"under deepspeed.zero.Init(config_dict_or_path=config) with the same config")
     if not all(is_zero_param(p) for p in module.parameters()):
-        cast_parameters(module, param_dtype(config))
+        cast_parameters(module, dtype)
         deepspeed.zero.Init(module=module, data_parallel_group=topology.dp_dsp_group, config_dict_or_path=config,
                             mpu=mpu)
 
