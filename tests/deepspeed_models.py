@@ -5,8 +5,9 @@ a patch embedding, spatial attention over S inside each frame, temporal attentio
 over T at each position, an MLP and a linear head, on tokens ``[B, T, S, C]``.
 ``DSPVideoTransformer`` is what a user adds to make it DSP-aware without touching
 the layers: the same forward with ``split`` at the entry, a ``dynamic_switch``
-before the temporal attention and a ``gather`` of the head's output. The oracle (``reference_steps``) runs ``VideoTransformer`` in
-one process with a torch optimizer: no DeepSpeed and no dsp_plugin on its path.
+before the temporal attention and a ``gather`` of the head's output. The oracle
+(``reference_steps``) runs ``VideoTransformer`` in one process with a torch
+optimizer: no DeepSpeed and no dsp_plugin on its path.
 
 Lengths are uneven on purpose (T=5, S=3 at DSP=2: shards of 3/2 frames and 2/1
 positions), and the model is tiny so a test spends its time in DeepSpeed, not
