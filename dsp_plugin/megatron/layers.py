@@ -35,8 +35,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-__all__ = ["SDPACoreAttention", "SequenceParallelTorchNorm", "layer_spec", "local_layer_spec", "quantization_context",
-           "te_available", "te_layer_spec"]
+__all__ = ["SDPACoreAttention", "SequenceParallelTorchNorm", "dsp_layer_spec", "layer_spec", "local_layer_spec",
+           "non_affine_layer_norm", "quantization_context", "te_available", "te_layer_spec"]
 
 
 class SDPACoreAttention(MegatronModule):
@@ -136,6 +136,66 @@ def te_layer_spec() -> ModuleSpec:
 
     submodules = _bidirectional(get_gpt_layer_with_transformer_engine_submodules())
     return ModuleSpec(module=TransformerLayer, submodules=submodules)
+
+
+def non_affine_layer_norm(config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                          **_: Any) -> torch.nn.Module:
+    """LayerNorm without weight and bias: adaLN supplies scale and shift per sample (DiT)."""
+    return torch.nn.LayerNorm(hidden_size, eps=eps, elementwise_affine=False)
+
+
+def dsp_layer_spec(transformer_impl: str = "local", *, cross_attention: bool = True) -> ModuleSpec:
+    """ModuleSpec of :class:`~dsp_plugin.megatron.dsp_layer.DSPSpatialTemporalLayer` for a ``TransformerBlock``.
+
+    ``local``: ``ColumnParallelLinear``/``RowParallelLinear`` and :class:`SDPACoreAttention`
+    (CPU and GPU). ``transformer_engine``: TE linears and ``TEDotProductAttention``
+    (imported only here, GPU). Norms before attention and MLP are affine-free
+    (adaLN modulates them), so no norm is fused into a linear; the norm before
+    cross-attention is a plain affine LayerNorm. Attention is unmasked.
+    """
+    from functools import partial
+
+    from megatron.core.transformer.attention import (
+        CrossAttention,
+        CrossAttentionSubmodules,
+        SelfAttention,
+        SelfAttentionSubmodules,
+    )
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    from dsp_plugin.megatron.dsp_layer import DSPSpatialTemporalLayer
+
+    if transformer_impl == "local":
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear as column
+        from megatron.core.tensor_parallel.layers import RowParallelLinear as row
+
+        core: Any = SDPACoreAttention
+    elif transformer_impl == "transformer_engine":
+        if not te_available():
+            raise RuntimeError("dsp_layer_spec: transformer_engine is not importable here (it needs CUDA); "
+                               "use --transformer-impl local on CPU")
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear as column
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention as core
+        from megatron.core.extensions.transformer_engine import TERowParallelLinear as row
+    else:
+        raise ValueError(f"dsp_layer_spec: transformer_impl={transformer_impl!r}; expected 'local' or "
+                         "'transformer_engine'")
+    no_mask = {"attn_mask_type": AttnMaskType.no_mask}
+    submodules = TransformerLayerSubmodules(
+        input_layernorm=non_affine_layer_norm,
+        self_attention=ModuleSpec(module=SelfAttention, params=no_mask, submodules=SelfAttentionSubmodules(
+            linear_qkv=column, core_attention=core, linear_proj=row)),
+        pre_mlp_layernorm=non_affine_layer_norm,
+        mlp=partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+    )
+    if cross_attention:
+        submodules.pre_cross_attn_layernorm = SequenceParallelTorchNorm
+        submodules.cross_attention = ModuleSpec(module=CrossAttention, params=no_mask,
+                                                submodules=CrossAttentionSubmodules(
+                                                    linear_q=column, linear_kv=column, core_attention=core,
+                                                    linear_proj=row))
+    return ModuleSpec(module=DSPSpatialTemporalLayer, submodules=submodules)
 
 
 def layer_spec(transformer_impl: str) -> ModuleSpec:
