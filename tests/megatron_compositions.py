@@ -43,16 +43,16 @@ TWO_RANK_COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {
 }
 
 
-def tiny_config(tp: int, pp: int, *, recompute: bool = False, bf16: bool = False) -> Any:
+def tiny_config(tp: int, pp: int, *, recompute: bool = False, dtype: str = "fp32") -> Any:
     from dsp_plugin.megatron.steps import dsp_config, gelu_tanh
 
     recompute_args = dict(recompute_granularity="full", recompute_method="uniform",
                           recompute_num_layers=1) if recompute else {}
-    dtype = torch.bfloat16 if bf16 else torch.float32
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     return dsp_config(
         VIDEO, num_layers=4, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=1,
-        pipeline_dtype=dtype, params_dtype=torch.float32, bf16=bf16,
+        pipeline_dtype=half or torch.float32, params_dtype=torch.float32, bf16=dtype == "bf16", fp16=dtype == "fp16",
         variable_seq_lengths=pp > 1, moe_token_dispatcher_type="alltoall",  # required by variable lengths
         use_cpu_initialization=True, perform_initialization=False, layernorm_epsilon=1e-6,
         activation_func=gelu_tanh, bias_dropout_fusion=False, masked_softmax_fusion=False,
@@ -220,3 +220,52 @@ def max_differences(reference: dict[str, Any], per_rank: list[dict[str, Any]]) -
         for name in ref:
             grad_diff = max(grad_diff, (got[name] - ref[name]).abs().max().item())
     return loss_diff, grad_diff
+
+
+def run_precision(rank: int, world_size: int, cases: list[tuple[int, str]]) -> list[dict[str, Any]]:
+    """For each ``(dsp, dtype)``: the model under megatron-core's ``Float16Module`` (bf16/fp16) or bare (fp32),
+    one forward and backward on the same 2 samples; the full output and the gradients summed over DSP.
+
+    ``dsp=1`` on 2 ranks is DSP=1 x DP=2: each rank computes the whole sample, as a single process would.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+
+    from dsp_plugin.comm import gather
+    from dsp_plugin.megatron.config import output_shard_dim
+    from dsp_plugin.megatron.cpu import install_cuda_shim
+    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
+    from dsp_plugin.megatron.steps import build_model, loss_func
+    from dsp_plugin.topology import set_topology
+
+    install_cuda_shim()
+    data = dataset(1)
+    batch = torch.utils.data.default_collate([data[i] for i in range(GLOBAL_BATCH)])
+    out = []
+    for dsp, dtype in cases:
+        initialize_dsp_model_parallel(dsp=dsp, timeout_minutes=2)
+        try:
+            config = tiny_config(1, 1, dtype=dtype)
+            model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN, seed=SEED)
+            wrapped = Float16Module(config, model) if dtype != "fp32" else model
+            output = wrapped(batch["latents"], batch["timestep"], batch["text"])
+            loss, _ = loss_func(batch["target"], config.num_layers, config, output)
+            loss.backward()
+            group = ps.get_context_parallel_group()
+            shard = output_shard_dim(config, config.num_layers)
+            full = gather(output.detach().float(), shard, group=group,
+                          global_len=VIDEO.frames if shard == 1 else VIDEO.patches)
+            grads = {}
+            for name, p in model.named_parameters():
+                g = p.grad.float()
+                dist.all_reduce(g, group=group)  # partial sums over the DSP shards
+                grads[name] = g.numpy().copy()
+            total = loss.detach().float()
+            dist.all_reduce(total, group=group)
+            out.append({"dtype": str(output.dtype), "param_dtype": str(next(model.parameters()).dtype),
+                        "output": full.numpy().copy(), "grads": grads, "loss": total.item()})
+        finally:
+            ps.destroy_model_parallel()
+            set_topology(None)
+    return out
