@@ -80,3 +80,22 @@ def test_documented_own_model_example_dsp2_equals_dsp1() -> None:
     assert dsp1["sharded_calls"] == 0 and dsp2["sharded_calls"] == 4, (dsp1["sharded_calls"], dsp2["sharded_calls"])
     assert diff < 1e-5 and grad < 1e-5
     assert "rotary position embeddings are not supported under DSP" in dsp2["rope_error"]
+
+
+def test_adaln_zero_initialisation_in_both_models(one_rank: None) -> None:
+    """adaLN-Zero: the reference with ``adaln_zero=True`` outputs zeros at init; the Megatron layer
+    zero-initialises its modulation whenever Megatron initialises weights."""
+    from dataclasses import replace
+
+    from dsp_plugin.megatron.steps import build_model
+    from dsp_plugin.megatron.weights import reference_config
+    from dsp_plugin.models.stdit import STDiT
+
+    config = tiny_config(1, 1)
+    reference = STDiT(replace(reference_config(config, VIDEO.channels, TEXT_DIM), adaln_zero=True))
+    latents = torch.randn(1, VIDEO.channels, VIDEO.frames, VIDEO.height, VIDEO.width)
+    assert reference(latents, torch.tensor([5]), torch.randn(1, TEXT_LEN, TEXT_DIM)).abs().max() == 0
+    config.perform_initialization = True
+    model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN)
+    for layer in model.decoder.layers:
+        assert layer.adaln_modulation.weight.abs().max() == 0 and layer.adaln_modulation.bias.abs().max() == 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
@@ -164,7 +165,7 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         x = x + gate1 * self._unfold(self._bias_dropout(out, bias), x)
 
         tokens = self._to_tokens(x)  # [T_x * S_x, B, D]
-        if context is not None and not isinstance(self.cross_attention, _IDENTITY):
+        if context is not None and not isinstance(self.cross_attention, IdentityOp):
             out, bias = self.cross_attention(self.pre_cross_attn_layernorm(tokens), attention_mask=None,
                                              key_value_states=context)
             tokens = tokens + self._bias_dropout(out, bias)
@@ -178,11 +179,3 @@ class DSPSpatialTemporalLayer(TransformerLayer):
             out = out + bias
         return nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)
 
-
-def _identity_types() -> tuple[type, ...]:
-    from megatron.core.transformer.identity_op import IdentityOp
-
-    return (IdentityOp,)
-
-
-_IDENTITY = _identity_types()

@@ -28,7 +28,8 @@ def forward_flops_per_sample(*, frames: int, patches: int, channels: int, hidden
                              text_len: int = 0, text_dim: int = 0) -> int:
     """Forward FLOPs of one sample (see the module docstring)."""
     n, d = frames * patches, hidden
-    total = 2 * n * channels * d + 2 * (256 * d + d * d) + 2 * text_len * text_dim * d + 4 * d * d + 2 * n * d * channels
+    total = 2 * n * channels * d + 2 * (256 * d + d * d) + 2 * text_len * text_dim * d  # embeddings
+    total += 4 * d * d + 2 * n * d * channels  # head
     for layer in range(num_layers):
         attended = frames if ATTEND[pattern[layer % len(pattern)]] == FRAME_DIM else patches
         total += 12 * d * d + 6 * n * d * d + 2 * n * d * d + 4 * n * attended * d + 4 * n * d * ffn_hidden
