@@ -110,6 +110,12 @@ def cpu_pretrain(args: argparse.Namespace) -> list[float]:
     from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
     from dsp_plugin.topology import set_topology
 
+    needs_cuda = [flag for flag, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                                        ("--bf16", args.bf16), ("--fp16", args.fp16)) if on]
+    if needs_cuda:  # checked on every rank before any collective
+        raise ValueError(f"{', '.join(needs_cuda)}: needs CUDA, Megatron's distributed and mixed-precision optimizers "
+                         "assert torch.cuda tensor types; on CPU drop them (the model itself is tested in bf16 "
+                         "and fp16 under Float16Module by tests/test_megatron_precision.py)")
     install_cuda_shim()
     torch.set_num_threads(int(os.getenv("OMP_NUM_THREADS", "1")))
     torch.distributed.init_process_group("gloo", rank=args.rank, world_size=args.world_size,
