@@ -153,3 +153,12 @@ def test_parse_and_validate_args_end_to_end(monkeypatch: pytest.MonkeyPatch) -> 
         assert (args.dsp_size, args.context_parallel_size, args.data_parallel_size) == (4, 4, 1)
     finally:
         destroy_global_vars()
+
+
+def test_documented_fp8_line_passes_the_shape_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/composition.md: IMPL=transformer_engine FP8=hybrid NPROC=8 DSP=4 FRAMES=16 HEIGHT=8 WIDTH=8 TEXT_LEN=16."""
+    args = parse(monkeypatch, ["--sequence-parallel-mode", "dsp", "--dsp-size", "4", "--fp8-format", "hybrid",
+                               "--transformer-impl", "transformer_engine", "--num-frames", "16", "--latent-height",
+                               "8", "--latent-width", "8", "--text-len", "16", "--seq-length", "1024"],
+                 world_size=8, validate=False, provider=_with_model_arguments)
+    assert (args.dsp_size, args.context_parallel_size) == (4, 4)
