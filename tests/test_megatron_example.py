@@ -99,3 +99,24 @@ def test_adaln_zero_initialisation_in_both_models(one_rank: None) -> None:
     model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN)
     for layer in model.decoder.layers:
         assert layer.adaln_modulation.weight.abs().max() == 0 and layer.adaln_modulation.bias.abs().max() == 0
+
+
+def test_flops_formula_counts_the_model(one_rank: None) -> None:
+    """The throughput log's FLOPs: the formula equals torch's FLOP counter on one forward (matmuls,
+    attention), so Megatron's TFLOP/s figure is this model's, not the GPT formula's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from dsp_plugin.megatron.flops import forward_flops_per_sample
+    from dsp_plugin.megatron.steps import build_model
+
+    config = tiny_config(1, 1)
+    model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN, seed=SEED)
+    latents = torch.randn(2, VIDEO.channels, VIDEO.frames, VIDEO.height, VIDEO.width)
+    # the math SDPA backend decomposes into matmuls, which the counter sees (the fused CPU kernel it does not)
+    with FlopCounterMode(display=False) as counter, torch.no_grad(), sdpa_kernel(SDPBackend.MATH):
+        model(latents, torch.tensor([1, 2]), torch.randn(2, TEXT_LEN, TEXT_DIM))
+    expected = 2 * forward_flops_per_sample(
+        frames=VIDEO.frames, patches=VIDEO.patches, channels=VIDEO.channels, hidden=config.hidden_size,
+        ffn_hidden=config.ffn_hidden_size, num_layers=config.num_layers, text_len=TEXT_LEN, text_dim=TEXT_DIM)
+    assert counter.get_total_flops() == expected, (counter.get_total_flops(), expected)
