@@ -35,6 +35,7 @@ COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {
     "DSP=2 x DP=2": (1, 2, 1, 1, 1, False),
     "TP=2 x DSP=2": (2, 2, 1, 2, 1, False),
     "PP=2 x DSP=2": (1, 2, 2, 1, 2, False),
+    "PP=2 x DSP=2 + full recompute": (1, 2, 2, 1, 2, True),
 }
 #: on 2 ranks: DSP alone, without and with full recompute (uniform, 1 layer per chunk)
 TWO_RANK_COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {

@@ -78,10 +78,10 @@ def _all_to_alls(result: dict, dsp: int, phase: str) -> int:
     return sum(1 for op, size, ph in result["collectives"] if op == "all_to_all" and size == dsp and ph == phase)
 
 
-@pytest.mark.parametrize("name", [n for n in LAYOUTS if "recompute" not in n])
+@pytest.mark.parametrize("name", list(LAYOUTS))
 def test_one_switch_per_block_boundary(name: str, all_layouts: dict) -> None:
     """Each layer but the first is entered through exactly one DSP all-to-all, and its adjoint;
-    cross-attention (local queries, replicated text) adds none."""
+    cross-attention (local queries, replicated text) adds none, and full recompute replays none."""
     tp, dsp, _, _, num_microbatches, _ = LAYOUTS[name]
     for result in all_layouts[name]:
         switched = result["stage_layers"] - (1 if result["first_stage"] else 0)
@@ -92,17 +92,19 @@ def test_one_switch_per_block_boundary(name: str, all_layouts: dict) -> None:
             assert others <= {"all_reduce"}, (name, others)
 
 
-def test_full_recompute_same_losses_and_counted_replays(all_layouts: dict) -> None:
-    """``recompute_granularity=full`` through TransformerBlock: the same losses; the recompute
-    re-runs each layer's forward inside backward, so its switch is replayed there (counted)."""
-    plain, recompute = all_layouts["DSP=2"], all_layouts["DSP=2 + full recompute"]
-    assert global_losses(plain) == global_losses(recompute)
+@pytest.mark.parametrize("name", ["DSP=2", "PP=2 x DSP=2"])
+def test_full_recompute_same_losses_and_no_replayed_switch(name: str, all_layouts: dict) -> None:
+    """``recompute_granularity=full`` through TransformerBlock: the same losses, and the recompute
+    reuses each layer's switch output instead of issuing the all-to-all again (recompute.py);
+    with PP, two micro-batches wait for their recompute at once."""
+    plain, recompute = all_layouts[name], all_layouts[f"{name} + full recompute"]
+    # the checkpoint hands the conditioning's gradient back per chunk: another summation order
+    assert max(abs(a - b) for a, b in zip(global_losses(plain), global_losses(recompute), strict=True)) < 1e-6
     for a, b in zip(plain, recompute, strict=True):
-        forward, backward = _all_to_alls(a, 2, "forward"), _all_to_alls(a, 2, "backward")
-        r_forward, r_backward = _all_to_alls(b, 2, "forward"), _all_to_alls(b, 2, "backward")
-        print(f"\nall-to-alls per step (DSP=2, 4 layers): without recompute {forward} fwd + {backward} bwd, "
-              f"with full recompute {r_forward} fwd + {r_backward} bwd (replayed forwards run inside backward)")
-        assert (r_forward, r_backward) == (forward, backward + forward)
+        counts = [(_all_to_alls(r, 2, "forward"), _all_to_alls(r, 2, "backward")) for r in (a, b)]
+        print(f"\n{name} all-to-alls per step on this rank (fwd, bwd): without recompute {counts[0]}, "
+              f"with full recompute {counts[1]}")
+        assert counts[1] == counts[0]
 
 
 def test_bad_arguments_raise_on_every_rank(four_ranks: dict) -> None:

@@ -7,6 +7,7 @@
   itself; ``layers.dsp_layer_spec`` builds it (local for CPU, Transformer Engine for GPU).
 - ``tokens``: entry/exit helpers and checks for a user's own model.
 - ``model``: the video DiT: embeddings, a stock ``TransformerBlock`` of DSP layers, the head.
+- ``recompute``: full recompute without replaying the switch.
 - ``weights``: load the plain-torch reference's weights (the oracle); ``flops``: its FLOPs.
 - ``steps``: dataset, model provider, forward step and loss for ``megatron.training``.
 - ``cpu``: the CUDA shim and train step that run the same pieces on gloo.

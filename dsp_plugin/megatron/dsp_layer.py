@@ -31,10 +31,13 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.utils import get_pg_rank
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
 from dsp_plugin.comm import dynamic_switch
+from dsp_plugin.megatron.recompute import SwitchReplayCache, first_layer_of_a_chunk
 from dsp_plugin.megatron.config import (
     ATTEND,
     FRAME_DIM,
@@ -87,6 +90,9 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         pattern = config.dsp_attend_pattern
         first = [ATTEND[p] for p in pattern].index(self.attend_dim) + 1
         self.add_positions = config.dsp_sincos_positions and self.layer_number == first
+        stage_offset = get_transformer_layer_offset(config, vp_stage, get_pg_rank(self.pg_collection.pp))
+        self.switch_cache = (SwitchReplayCache()
+                             if first_layer_of_a_chunk(config, self.layer_number - 1 - stage_offset) else None)
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -150,9 +156,13 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         group, _, _ = self._dsp()
         x = self._to_grid(hidden_states, self.input_shard_dim)
         if self.input_shard_dim == self.attend_dim:  # S(attend) -> S(other): one all-to-all
-            full = self.config.dsp_frames if self.attend_dim == FRAME_DIM else self.config.dsp_patches
-            x = dynamic_switch(x, self.attend_dim, FRAME_DIM + PATCH_DIM - self.attend_dim, group=group,
-                               global_len=full)
+            cur, tgt = self.attend_dim, FRAME_DIM + PATCH_DIM - self.attend_dim
+            full = {FRAME_DIM: self.config.dsp_frames, PATCH_DIM: self.config.dsp_patches}
+            if self.training and self.switch_cache is not None:  # full recompute: never replay the switch
+                x = self.switch_cache.switch(hidden_states, x, cur, tgt, group=group, cur_full=full[cur],
+                                             tgt_full=full[tgt])
+            else:
+                x = dynamic_switch(x, cur, tgt, group=group, global_len=full[cur])
         if self.add_positions:  # along the attended dim, which is never sharded: global positions
             length = x.shape[self.attend_dim]
             pos = sincos_positions(length, x.shape[-1], device=x.device, dtype=x.dtype)
