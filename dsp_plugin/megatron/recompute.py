@@ -16,6 +16,8 @@ A layer uses the cache only when it is the first layer of a checkpointed chunk
 shape and version counter as the first run, and the entry holds a reference to
 that input, so storage cannot be reused by another tensor while it waits: a hit
 is always the switch of the same data. Entries are consumed by the recompute.
+With ``distribute_saved_activations`` (the checkpoint splits and re-gathers its
+input) the cache is off and the switch is replayed.
 """
 
 from __future__ import annotations
@@ -28,12 +30,14 @@ from dsp_plugin.comm import dynamic_switch
 
 __all__ = ["SwitchReplayCache", "first_layer_of_a_chunk"]
 
-_MAX_PENDING = 64  # micro-batches in flight per layer; older entries (never recomputed) are dropped
+_MAX_PENDING = 32  # micro-batches waiting for their recompute (at most the PP size with 1F1B); older dropped
 
 
 def first_layer_of_a_chunk(config: Any, local_index: int) -> bool:
     """Whether the layer at ``local_index`` (0-based within its stage) starts a full-recompute chunk."""
     if config.recompute_granularity != "full" or not config.recompute_num_layers:
+        return False
+    if config.distribute_saved_activations:  # the checkpoint re-stores its input: no key would match
         return False
     if config.recompute_method == "uniform":
         return local_index % config.recompute_num_layers == 0
