@@ -140,6 +140,9 @@ def cpu_pretrain(args: argparse.Namespace) -> list[float]:
         first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0 \
             and ps.get_context_parallel_rank() == 0
         iteration = args.iteration
+        if iteration >= args.train_iters:
+            print_rank_0(f"> the checkpoint is at iteration {iteration} >= --train-iters {args.train_iters}: "
+                         "nothing to train (raise --train-iters to go on)")
         while iteration < args.train_iters:
             start = time.time()
             loss_dict, *_ = train_step(forward_step, train_iter, model, optimizer, scheduler, config,

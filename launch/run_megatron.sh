@@ -8,7 +8,7 @@
 #   IMPL=transformer_engine FP8=hybrid ./launch/run_megatron.sh  # GPU: TE layers, FP8 autocast
 #   EVAL_ITERS=2 EVAL_INTERVAL=2 ./launch/run_megatron.sh        # validation loss every 2 iterations
 #   ./launch/run_megatron.sh --save /tmp/ckpt --save-interval 2   # Megatron checkpoints (torch_dist);
-#   ./launch/run_megatron.sh --load /tmp/ckpt ...                 # resume (same or another DSP size)
+#   ITERS=6 ./launch/run_megatron.sh --load /tmp/ckpt             # resume (same or another DSP size)
 #
 # Extra Megatron arguments pass through: ./launch/run_megatron.sh --log-interval 1
 # On a machine without CUDA the same command runs on gloo (see launch/pretrain_stdit.py).
