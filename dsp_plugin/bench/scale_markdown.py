@@ -39,6 +39,10 @@ def markdown(hw: params.Hardware = params.H100,
         out += parameters_table(calibration_rows) + [""]
     rows = e2e_rows(hw)
     out += ["### End-to-end, 128 H100 (paper Table 5): predicted step s (SP size) and time over DSP", "",
+            "`ulysses`: best practice (temporal block only). `ulysses_paper`, `megatron_sp`, `ring`: as the "
+            "paper's harness ran them (OpenDiT `exp`): Ulysses around every attention, Megatron-SP "
+            "all-gather/reduce-scatter around all three attentions with the MLP replicated, Ring in the "
+            "spatial block over N x S keys. One sample per SP group, ZeRO-2 over DP.", "",
             "| model | tokens | " + " | ".join(METHODS) + " | ulysses_paper / dsp | ulysses / dsp "
             "| megatron_sp / dsp | ring / dsp | dsp comm+copies % | dsp TFLOPS/GPU |",
             "|---" * (len(METHODS) + 8) + "|"]
