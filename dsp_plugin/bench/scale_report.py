@@ -130,6 +130,9 @@ def comparisons(hw: params.Hardware = params.H100) -> list[tuple[str, str, str]]
     margins = {m: [r[m].step_s / r["dsp"].step_s - 1 for r in weak
                    if r["gpus"] > floor[r["tier"]] and r[m].feasible]
                for m in METHODS if m != "dsp"}
+    inter = {m: [r[m].step_s / r["dsp"].step_s - 1 for r in weak
+                 if r["tier"] == "inter" and r["gpus"] > hw.gpus_per_node and r[m].feasible]
+             for m in margins}
     loss = 1 - [r for r in weak if r["model"] == "3B" and r["tier"] == "inter"][-1]["dsp_eff"]
     inf = [r for r in inference_rows(hw) if r["gpus"] > 1]
     fastest = sum(1 for r in inf if all(not r[m].feasible or r[m].step_s >= r["dsp"].step_s for m in METHODS))
@@ -139,18 +142,18 @@ def comparisons(hw: params.Hardware = params.H100) -> list[tuple[str, str, str]]
          f"ulysses_paper {100 * up_lo:.0f}% to {100 * up_hi:.0f}%; best-practice ulysses "
          f"{100 * u_lo:.0f}% to {100 * u_hi:.0f}%",
          ("yes, against the Ulysses the paper ran (within +-15% of 1.32x-1.75x)" if in_band else "no")
-         + "; against a best-practice Ulysses the gain is {:.1f}-{:.1f}x smaller".format(
-             *sorted((up_hi / u_hi, up_lo / u_lo)))),
+         + f"; against a best-practice Ulysses DSP wins {100 * u_lo:.0f}-{100 * u_hi:.0f}%"),
         (params.PAPER_CLAIMS["e2e_dsp_over_others"], f"up to {max(others):.1f}x (harness Megatron-SP and Ring)",
          "yes" if max(others) >= params.PAPER_E2E_DSP_OVER_OTHERS_MAX * (1 - tol) else "no"),
         (params.PAPER_CLAIMS["e2e_flops_drop"], ", ".join(f"{m} {100 * v:.0f}%" for m, v in drops.items()),
          ("yes" if drops["dsp"] <= 0.23 * (1 + tol) and others_drop_ok else "partly")
-         + f" (ulysses_paper {100 * drops['ulysses_paper']:.0f}%)"),
+         + f" for the harness baselines; the best-practice ulysses drops {100 * drops['ulysses']:.0f}%"),
         (params.PAPER_CLAIMS["weak_margin"],
-         "; ".join(f"{m} >= {100 * min(v):.0f}%" for m, v in margins.items() if v),
+         "; ".join(f"{m} >= {100 * min(v):.0f}% (>= {100 * min(inter[m]):.0f}% beyond one node)"
+                   if inter[m] else f"{m} >= {100 * min(v):.0f}%" for m, v in margins.items() if v),
          "yes" if all(min(v) >= params.PAPER_WEAK_MARGIN for v in margins.values() if v) else
-         "no for the Ulysses variants: the weak-scaling settings are small (T = 16-256 frames) and mostly "
-         "intra-node, where communication is a small share of the step"),
+         "no: at 2-8 GPUs in one node communication is a small share of every method's step; beyond one "
+         "node only the harness Megatron-SP and Ring fall that far behind"),
         (params.PAPER_CLAIMS["weak_loss"], f"{100 * loss:.0f}% (3B, 8 -> 64 GPUs)",
          "yes" if abs(loss - params.PAPER_WEAK_LOSS_8_TO_64) <= 0.1 else "no"),
         (params.PAPER_CLAIMS["inference"], f"DSP fastest at {fastest} of {len(inf)} multi-GPU points",
