@@ -38,7 +38,7 @@ def test_quick_bench_runs_and_writes_its_files(tmp_path: Path) -> None:
         assert row["fwd_over_exact"] == pytest.approx(1.0), name
         assert row["bwd_over_exact"] == pytest.approx(1.0), name
         assert row["max_abs_err_vs_single"] < 1e-5, name
-        assert len(row["step_times_s_per_rank"][0]) == QUICK.steps and "over_dsp" in row
+        assert len(row["step_times_s_per_rank"][0]) == QUICK.steps and "over_dsp" in row and "cpu_over_dsp" in row
     ck = summary["methods"]["ulysses_paper+ckpt"]
     assert ck["bwd_bytes_per_layer"] == pytest.approx(2 * ck["fwd_bytes_per_layer"])
     text = (tmp_path / "bench_n2.md").read_text()

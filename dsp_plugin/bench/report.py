@@ -67,6 +67,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: BenchConfig, n: int) -> dict[
     m_bytes = cfg.activation_bytes
     rows: dict[str, Any] = {}
     rounds: dict[str, list[float]] = {}
+    cpu_rounds: dict[str, list[float]] = {}
     for name, first in per_rank[0]["methods"].items():
         results = [r["methods"][name] for r in per_rank]
         if "error" in first:
@@ -77,6 +78,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: BenchConfig, n: int) -> dict[
         fwd = max(r["fwd_bytes_per_layer"] for r in results)
         bwd = max(r["bwd_bytes_per_layer"] for r in results)
         rounds[name] = [max(ts) for ts in zip(*(r["step_times_s"] for r in results))]
+        cpu_rounds[name] = [max(ts) for ts in zip(*(r["cpu_times_s"] for r in results))]
         rows[name] = {
             "method": method, "checkpointing": ckpt,
             "fwd_bytes_per_layer": fwd, "bwd_bytes_per_layer": bwd,
@@ -85,7 +87,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: BenchConfig, n: int) -> dict[
             "fwd_ops": first["fwd_ops"], "bwd_ops": first["bwd_ops"],
             "saved_activation_bytes": max(r["saved_activation_bytes"] for r in results),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results),
-            "step_s": _quantiles(rounds[name]),
+            "step_s": _quantiles(rounds[name]), "cpu_s": _quantiles(cpu_rounds[name]),
             "step_times_s_per_rank": [r["step_times_s"] for r in results],
             "max_abs_err_vs_single": max(r["max_abs_err_vs_single"] for r in results),
         }
@@ -95,6 +97,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: BenchConfig, n: int) -> dict[
         dsp = "dsp+ckpt" if row["checkpointing"] else "dsp"
         if dsp in rounds:
             row["over_dsp"] = _quantiles([a / b for a, b in zip(rounds[name], rounds[dsp])])
+            row["cpu_over_dsp"] = _quantiles([a / b for a, b in zip(cpu_rounds[name], cpu_rounds[dsp])])
         if row["checkpointing"] and row["method"] in rounds:
             row["over_no_ckpt"] = _quantiles([a / b for a, b in zip(rounds[name], rounds[row["method"]])])
     micro = {
@@ -154,9 +157,10 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {calls:g} | {min(exact_ok):.3f}-{max(exact_ok):.3f} "
             f"| {plain['saved_activation_bytes'] / 2**20:,.1f} |")
     lines += ["", "Step time: median ms, and the time over DSP's in the same round as "
-              "median [interquartile range] (min-max) over the rounds.", "",
+              "median [interquartile range] (min-max) over the rounds; wall time, then the ranks' CPU "
+              "time (user + system: other jobs' time on the cores left out).", "",
               "| method | plain ms | plain / dsp | recompute ms | recompute / dsp+ckpt | recompute / plain "
-              "| max abs err vs 1-proc |", "|---" * 7 + "|"]
+              "| CPU: plain / dsp | CPU: recompute / dsp+ckpt | max abs err vs 1-proc |", "|---" * 9 + "|"]
     for method in METHODS:
         plain, ck = rows.get(method), rows.get(method + "+ckpt")
         if plain is None or "error" in plain:
@@ -166,6 +170,7 @@ def markdown(summary: dict[str, Any]) -> str:
             f"| {method} | {1e3 * plain['step_s']['median']:.0f} | {_spread(plain.get('over_dsp'))} "
             f"| {(f'{1e3 * ck['step_s']['median']:.0f}' if ck_ok else '-')} "
             f"| {_spread(ck.get('over_dsp') if ck_ok else None)} | {_spread(ck.get('over_no_ckpt') if ck_ok else None)} "
+            f"| {_spread(plain.get('cpu_over_dsp'))} | {_spread(ck.get('cpu_over_dsp') if ck_ok else None)} "
             f"| {max(plain['max_abs_err_vs_single'], ck['max_abs_err_vs_single'] if ck_ok else 0):.1e} |")
     micro = summary["micro"]
     lines += ["", f"Micro-benchmark ({micro['bytes_per_rank'] / 2**20:.2f} MiB per rank): one dynamic_switch "

@@ -202,21 +202,29 @@ def measure_method(method: str, ckpt: bool, cfg: BenchConfig, rank: int) -> tupl
     }
 
 
-def time_methods(models: dict[str, nn.Module], cfg: BenchConfig, rank: int) -> dict[str, list[float]]:
+def time_methods(models: dict[str, nn.Module], cfg: BenchConfig,
+                 rank: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Phase 2: timed rounds, each running every label once in rotating order, so load drift on a
-    shared machine hits every method alike instead of whichever ran last."""
+    shared machine hits every method alike instead of whichever ran last.
+
+    Returns wall seconds and this process's CPU seconds (user + system, so gloo's socket copies
+    count) per step: on a shared machine the CPU time leaves out the time other jobs held the
+    core, which the wall time cannot.
+    """
     inputs = _inputs(cfg)
     names = list(models)
     times: dict[str, list[float]] = {m: [] for m in names}
+    cpu: dict[str, list[float]] = {m: [] for m in names}
     for step in range(cfg.steps):
         if step % 3 == 0:
             progress(rank, f"timed rounds {step + 1}-{min(step + 3, cfg.steps)} of {cfg.steps}, "
                            f"each over {len(names)} labels")
         for name in names[step % len(names):] + names[:step % len(names)]:
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             _train_step(models[name], inputs)
             times[name].append(time.perf_counter() - start)
-    return times
+            cpu[name].append(time.process_time() - start_cpu)
+    return times, cpu
 
 
 def micro_benchmark(cfg: BenchConfig, rank: int, n: int) -> dict[str, Any]:
@@ -256,7 +264,9 @@ def worker(rank: int, world_size: int, cfg: BenchConfig, methods: tuple[str, ...
             models[name], out["methods"][name] = measure_method(method, ckpt, cfg, rank)
         except (ValueError, ImportError) as exc:  # head limit, DeepSpeed missing: reported, not fatal
             out["methods"][name] = {"error": str(exc), "method": method, "checkpointing": ckpt}
-    for name, times in time_methods(models, cfg, rank).items():
-        out["methods"][name]["step_times_s"] = times
+    wall, cpu = time_methods(models, cfg, rank)
+    for name in wall:
+        out["methods"][name]["step_times_s"] = wall[name]
+        out["methods"][name]["cpu_times_s"] = cpu[name]
     out["micro"] = micro_benchmark(cfg, rank, world_size)
     return out
