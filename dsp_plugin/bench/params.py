@@ -82,7 +82,8 @@ class ModelSize:
 
 # Table 4. The paper prints the 3B hidden size as 2038, which its 32 heads do not divide: read as
 # 2048: ``--model_type 3B`` builds ``STDiT_XXL_2`` = depth 36, hidden 2048, 32 heads
-# (OpenDiT:scripts/opensora/bench_opensora.py:95, stdit.py:430; 720M = STDiT_XL_2, stdit.py:423). text_tokens: OpenDiT STDiT
+# (OpenDiT:scripts/opensora/bench_opensora.py:95, stdit.py:430; 720M = STDiT_XL_2, stdit.py:423).
+# text_tokens: OpenDiT STDiT
 # ``model_max_length=120`` (OpenDiT:opendit/models/opensora/stdit.py:192).
 MODELS = {
     "720M": ModelSize("720M", layers=28, hidden=1152, heads=16),

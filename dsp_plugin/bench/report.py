@@ -169,7 +169,8 @@ def markdown(summary: dict[str, Any]) -> str:
         lines.append(
             f"| {method} | {1e3 * plain['step_s']['median']:.0f} | {_spread(plain.get('over_dsp'))} "
             f"| {(f'{1e3 * ck['step_s']['median']:.0f}' if ck_ok else '-')} "
-            f"| {_spread(ck.get('over_dsp') if ck_ok else None)} | {_spread(ck.get('over_no_ckpt') if ck_ok else None)} "
+            f"| {_spread(ck.get('over_dsp') if ck_ok else None)} "
+            f"| {_spread(ck.get('over_no_ckpt') if ck_ok else None)} "
             f"| {_spread(plain.get('cpu_over_dsp'))} | {_spread(ck.get('cpu_over_dsp') if ck_ok else None)} "
             f"| {max(plain['max_abs_err_vs_single'], ck['max_abs_err_vs_single'] if ck_ok else 0):.1e} |")
     micro = summary["micro"]
@@ -196,7 +197,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         ax1.bar([x + (i - 0.5) * width for x in range(len(names))], vals, width, label=title)
         ratios = [rows[m + suffix].get("over_dsp") if m + suffix in rows else None for m in names]
         med = [q["median"] if q else 0.0 for q in ratios]
-        err = [[q["median"] - q["p25"] if q else 0 for q in ratios], [q["p75"] - q["median"] if q else 0 for q in ratios]]
+        err = [[q["median"] - q["p25"] if q else 0 for q in ratios],
+               [q["p75"] - q["median"] if q else 0 for q in ratios]]
         ax2.bar([x + (i - 0.5) * width for x in range(len(names))], med, width, yerr=err, capsize=3, label=title)
     ax1.set_xticks(range(len(names)), names)
     ax1.set_yscale("log")

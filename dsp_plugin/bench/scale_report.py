@@ -58,12 +58,14 @@ def ladder(hw: params.Hardware = params.H100) -> list[dict[str, Any]]:
         ratios = {}
         for setting in params.E2E:
             preds = _setting_preds(setting, hw, factors)
-            ratios[(setting.model, setting.tokens)] = preds["ulysses_paper"].step_s / preds["dsp"].step_s  # type: ignore[union-attr]
+            paper, dsp = preds["ulysses_paper"], preds["dsp"]
+            ratios[(setting.model, setting.tokens)] = paper.step_s / dsp.step_s  # type: ignore[union-attr]
         out.append(dict(label=label, factors=factors, ratios=ratios))
     best = {}
     for setting in params.E2E:
         preds = _setting_preds(setting, hw)
-        best[(setting.model, setting.tokens)] = preds["ulysses"].step_s / preds["dsp"].step_s  # type: ignore[union-attr]
+        ulysses, dsp = preds["ulysses"], preds["dsp"]
+        best[(setting.model, setting.tokens)] = ulysses.step_s / dsp.step_s  # type: ignore[union-attr]
     out.append(dict(label="best-practice ulysses with every harness factor that applies to it", factors=HARNESS,
                     ratios=best))
     return out
