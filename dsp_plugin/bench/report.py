@@ -181,7 +181,10 @@ def markdown(summary: dict[str, Any]) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
-    """Bytes per layer per step (plain and recompute) and the time ratio to DSP with its spread, one PNG."""
+    """Bytes per layer per step (plain and recompute) and the CPU-time ratio to DSP with its spread, one PNG.
+
+    CPU time, not wall time: on a shared machine its per-round ratios are several times tighter.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,7 +198,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
         vals = [(rows[m + suffix]["fwd_bytes_per_layer"] + rows[m + suffix]["bwd_bytes_per_layer"]) / 2**20
                 if m + suffix in rows and "error" not in rows[m + suffix] else 0.0 for m in names]
         ax1.bar([x + (i - 0.5) * width for x in range(len(names))], vals, width, label=title)
-        ratios = [rows[m + suffix].get("over_dsp") if m + suffix in rows else None for m in names]
+        ratios = [rows[m + suffix].get("cpu_over_dsp") if m + suffix in rows else None for m in names]
         med = [q["median"] if q else 0.0 for q in ratios]
         err = [[q["median"] - q["p25"] if q else 0 for q in ratios],
                [q["p75"] - q["median"] if q else 0 for q in ratios]]
@@ -207,8 +210,8 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax1.legend()
     ax2.axhline(1.0, color="black", lw=0.8)
     ax2.set_xticks(range(len(names)), names)
-    ax2.set_ylabel("step time / DSP's (median, IQR)")
-    ax2.set_title("Step time over DSP, CPU gloo")
+    ax2.set_ylabel("step CPU time / DSP's (median, IQR)")
+    ax2.set_title("Step CPU time over DSP's, same round, CPU gloo")
     ax2.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
