@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dsp_plugin.adapters.sharded import Sharded, check_divisible_lengths
 
-__all__ = ["LatteDSP", "Sharded", "SpatioTemporalDSP", "check_divisible_lengths", "parallelize_latte_pipeline"]
+__all__ = ["LatteDSP", "Sharded", "SpatioTemporalDSP", "check_divisible_lengths", "parallelize_latte_pipeline",
+           "sampling_groups"]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy, so `import dsp_plugin.adapters` does not import diffusers
@@ -24,8 +25,8 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy, so `import dsp_plugin.adapte
         from dsp_plugin.adapters.spatiotemporal import SpatioTemporalDSP
 
         return SpatioTemporalDSP
-    if name == "parallelize_latte_pipeline":
-        from dsp_plugin.adapters.pipeline import parallelize_latte_pipeline
+    if name in ("parallelize_latte_pipeline", "sampling_groups"):
+        from dsp_plugin.adapters import pipeline
 
-        return parallelize_latte_pipeline
+        return getattr(pipeline, name)
     raise AttributeError(f"module 'dsp_plugin.adapters' has no attribute {name!r}")
