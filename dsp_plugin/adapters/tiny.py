@@ -61,14 +61,17 @@ def tiny_prompt_embeds(*, batch: int = 1, tokens: int = 5, seed: int = 0) -> tup
             torch.randn(batch, tokens, CAPTION_CHANNELS, generator=g))
 
 
-def tiny_spatiotemporal(*, layers: int = 2, channels: int = 32, heads: int = 2, head_dim: int = 8,
+def tiny_spatiotemporal(*, layers: int = 2, channels: int = 32, heads: int = 2, head_dim: int = 16,
                         cross_dim: int = 16, seed: int = 0) -> Any:
-    """A ``TransformerSpatioTemporalModel`` (Stable Video Diffusion's spatio-temporal transformer)."""
+    """A ``TransformerSpatioTemporalModel`` (SVD's); the model needs heads * head_dim == channels."""
     from diffusers.models.transformers.transformer_temporal import TransformerSpatioTemporalModel
 
     torch.manual_seed(seed)
     model = TransformerSpatioTemporalModel(num_attention_heads=heads, attention_head_dim=head_dim,
                                            in_channels=channels, num_layers=layers, cross_attention_dim=cross_dim)
     with torch.no_grad():
+        for p in model.parameters():           # zero-initialised projections would hide the blocks
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.02)
         model.time_mixer.mix_factor.fill_(0.3)  # a mixer that weights both paths unequally
     return model
