@@ -90,6 +90,7 @@ def _parallel(rank: int, n: int) -> dict[str, float | str]:
 def test_parallel_equals_unmodified_model_uneven_frames(n: int) -> None:
     """7 frames on 2 and 4 ranks, with and without the model's own gradient checkpointing."""
     for rank, d in enumerate(run_distributed(_parallel, n)):
+        print(f"n={n} rank {rank}: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items() if isinstance(v, float)))
         for key in ("out", "dx", "grads", "ckpt_out", "ckpt_dx", "ckpt_grads"):
             assert d[key] < 1e-5, f"rank {rank}/{n}: {key} differs by {d[key]:.3g}"
         # two switches per layer (the last one back to frames for the output stage); one exit gather

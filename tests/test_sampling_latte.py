@@ -54,6 +54,7 @@ def _sample(rank: int, n: int) -> dict[str, object]:
     return result
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [2, 4])
 def test_sampling_equals_single_process_uneven_frames(n: int) -> None:
     """7 frames on 2 and 4 ranks, with and without CFG parallelism, pixels and latents."""

@@ -32,6 +32,7 @@ def _launch(nproc: int, *args: str) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_torchrun_outputs_equal_one_process(tmp_path: Path) -> None:
     ckpt = tmp_path / "tiny-latte"
     out1 = _launch(1, *COMMON, "--save-pretrained", str(ckpt), "--out", str(tmp_path / "one.pt"))
