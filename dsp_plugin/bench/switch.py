@@ -10,7 +10,8 @@ Per N and shard size, the median over ``--reps`` interleaved repetitions of:
 - ``switch``: ``dynamic_switch`` S(T) -> S(S) of ``[B=2, T/N, S, D]`` fp32 (one pack, one unpack copy);
 - ``switch [1,..]``: the same bytes as ``[1, 2T/N, S, D]``, where the blocks already lie in order
   (no pack copy, no unpack copy);
-- ``switch always``: with ``DSP_CHECK=always`` (a fingerprint exchange before every call);
+- ``switch always`` / ``switch off``: with ``DSP_CHECK=always`` (a fingerprint exchange before
+  every call) and ``DSP_CHECK=off``; plain ``switch`` runs the default (``first``: checked once);
 - ``fn(switch)`` / ``overlapped``: a per-token Linear after the switch, plain and with
   ``switch_apply(chunks=2)`` (the next chunk's all-to-all in flight while a chunk computes);
 - ``old switch``: the ``dynamic_switch`` of the file given by ``--compare-with``.
@@ -73,6 +74,7 @@ def _worker(rank: int, n: int, mib: int, reps: int, compare_path: str | None) ->
         "switch": lambda: dynamic_switch(x, 1, 2, global_len=frames),
         "switch [1,..]": lambda: dynamic_switch(x1, 1, 2, global_len=BATCH * frames),
         "switch always": with_mode("always", lambda: dynamic_switch(x, 1, 2, global_len=frames)),
+        "switch off": with_mode("off", lambda: dynamic_switch(x, 1, 2, global_len=frames)),
         "fn(switch)": lambda: lin(dynamic_switch(x, 1, 2, global_len=frames)),
         "overlapped": lambda: switch_apply(x, lin, 1, 2, chunks=2, global_len=frames),
     }
