@@ -47,7 +47,7 @@ __all__ = ["DSPDataLoader", "DSPSampler", "dsp_dataloader", "stream_seed"]
 _CARRIED = ("num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn", "multiprocessing_context",
             "prefetch_factor", "persistent_workers", "pin_memory_device", "in_order")
 #: DataLoader arguments that would replace what this module controls
-_REFUSED = ("sampler", "batch_sampler", "shuffle", "generator")
+_REFUSED = ("sampler", "batch_sampler", "generator")
 
 
 def stream_seed(*key: int) -> int:

@@ -27,7 +27,8 @@ def _ddp_and_groups(rank: int, n: int) -> dict[str, object]:
     x = torch.randn(2, 5, 6, 4)                     # a [B, T, S, D] shard on T
     with CommAccounting(activations=False) as acct:
         model(torch.randn(2, 4)).sum().backward()   # DDP all-reduces the gradient bucket from C++
-        dynamic_switch(x, 1, 2, global_len=10)      # S(T) -> S(S) on the DSP group
+        with CommAccounting(activations=False) as inner:   # blocks nest: both record the switch
+            dynamic_switch(x, 1, 2, global_len=10)  # S(T) -> S(S) on the DSP group
         y = funcol.wait_tensor(funcol.all_reduce(torch.ones(6), "sum", topo.dsp_group))
         peer = rank ^ 1                             # the other rank of this DSP group
         works = dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(3), peer),
@@ -41,7 +42,7 @@ def _ddp_and_groups(rank: int, n: int) -> dict[str, object]:
             "dp": tuple(dist.get_process_group_ranks(topo.dp_group)),
             "dsp": tuple(dist.get_process_group_ranks(topo.dsp_group)),
             "dp_selected": acct.count("all_reduce", group=topo.dp_group),
-            "by_group": acct.by_group()}
+            "by_group": acct.by_group(), "inner": [r.op for r in inner.records]}
 
 
 def test_ddp_functional_and_p2p_collectives_are_counted_with_their_group_ranks() -> None:
@@ -66,6 +67,7 @@ def test_ddp_functional_and_p2p_collectives_are_counted_with_their_group_ranks()
         assert res["dp_selected"] == len(ddp)
         assert res["by_group"][dp]["bytes_sent"] == 60
         assert res["by_group"][dsp]["count"] == 2
+        assert res["inner"] == ["all_to_all"]
 
 
 def test_nothing_in_torch_is_patched() -> None:
