@@ -194,22 +194,39 @@ class DSPDataLoader:
         self.set_epoch(self.sampler.epoch + 1)
 
     def state_dict(self) -> dict[str, int]:
+        """The epoch, the position in it and the settings that give the position its meaning.
+
+        ``samples_consumed`` counts the whole DP group's samples (``batches_yielded *
+        batch_size * dp_size``), so a run can resume with another DP size or micro-batch size
+        as long as the global batch still divides it."""
         s = self.sampler
         return {"epoch": s.epoch, "batches_yielded": self.batches_yielded, "seed": s.seed,
                 "dp_size": s.dp_size, "batch_size": self.batch_size, "length": s.length,
+                "samples_consumed": self.batches_yielded * self.batch_size * s.dp_size,
                 "shuffle": int(s.shuffle), "drop_last": int(self.drop_last), "sampler_drop_last": int(s.drop_last)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        """Continue at the next batch of the saved epoch. The position only means the same thing
-        with the same settings, so each one the checkpoint recorded must match (older checkpoints
-        record only ``epoch``, ``batches_yielded`` and ``seed``)."""
+        """Continue at the next batch of the saved epoch (the same draws with the same DP layout).
+
+        Settings that change the order must match; older checkpoints record only ``epoch``,
+        ``batches_yielded`` and ``seed`` and are read as written by this layout."""
         mine = self.state_dict()
-        for key in ("seed", "dp_size", "batch_size", "length", "shuffle", "drop_last", "sampler_drop_last"):
+        for key in ("seed", "length", "shuffle", "drop_last", "sampler_drop_last"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(f"dsp_dataloader: checkpoint was written with {key}={state[key]}, "
                                  f"this loader has {key}={mine[key]}")
+        batches = state["batches_yielded"]
+        if "samples_consumed" in state:
+            global_batch = self.batch_size * self.sampler.dp_size
+            if state["samples_consumed"] % global_batch:
+                raise ValueError(
+                    f"dsp_dataloader: checkpoint was written after {state['samples_consumed']} samples of epoch "
+                    f"{state['epoch']} (batch_size={state['batch_size']} x dp_size={state['dp_size']}), not a "
+                    f"whole number of this loader's global batches of batch_size={self.batch_size} x "
+                    f"dp_size={self.sampler.dp_size} = {global_batch}")
+            batches = state["samples_consumed"] // global_batch
         self.sampler.epoch = state["epoch"]
-        self.batches_yielded = state["batches_yielded"]
+        self.batches_yielded = batches
 
 
 def _int(name: str, value: Any, low: int) -> int:

@@ -64,7 +64,27 @@ def test_no_silent_overrides() -> None:
     with pytest.raises(ValueError, match="seed must be >= 0, got -1"):
         dsp_dataloader(DATA, batch_size=2, seed=-1, dp_size=1, dp_rank=0)
     loader = dsp_dataloader(DATA, batch_size=2, dp_size=2, dp_rank=0)
-    with pytest.raises(ValueError, match="checkpoint was written with batch_size=2, this loader has batch_size=3"):
+    next(iter(loader))                                     # 2 x 2 = 4 samples of the epoch consumed
+    with pytest.raises(ValueError, match="after 4 samples of epoch 0 .* not a whole number of this loader's "
+                                         "global batches of batch_size=3 x dp_size=2 = 6"):
         dsp_dataloader(DATA, batch_size=3, dp_size=2, dp_rank=0).load_state_dict(loader.state_dict())
-    with pytest.raises(ValueError, match="checkpoint was written with dp_size=2, this loader has dp_size=1"):
-        dsp_dataloader(DATA, batch_size=2, dp_size=1, dp_rank=0).load_state_dict(loader.state_dict())
+    with pytest.raises(ValueError, match="checkpoint was written with seed=0, this loader has seed=1"):
+        dsp_dataloader(DATA, batch_size=2, seed=1, dp_size=2, dp_rank=0).load_state_dict(loader.state_dict())
+
+
+def test_resume_with_another_dp_size_continues_the_permutation() -> None:
+    """DSP 2 x DP 2 -> DSP 4 x DP 1 with the same global batch: the rest of the epoch, nothing twice."""
+    data = TensorDataset(torch.arange(12))
+    first = []
+    state = None
+    for dp_rank in (0, 1):
+        loader = dsp_dataloader(data, batch_size=2, shuffle=True, dp_size=2, dp_rank=dp_rank)
+        it = iter(loader)
+        first += [i for _ in range(2) for i in next(it)[0].tolist()]
+        state = loader.state_dict()
+    resumed = dsp_dataloader(data, batch_size=4, shuffle=True, dp_size=1, dp_rank=0)
+    resumed.load_state_dict(state)
+    rest = [i for batch in _ids(resumed) for i in batch]
+    whole = [i for batch in _ids(dsp_dataloader(data, batch_size=4, shuffle=True, dp_size=1, dp_rank=0))
+             for i in batch]
+    assert sorted(first) == sorted(whole[:8]) and rest == whole[8:]
