@@ -25,6 +25,7 @@ def _ddp_and_groups(rank: int, n: int) -> dict[str, object]:
     model = DistributedDataParallel(torch.nn.Linear(4, 3), process_group=topo.dp_group)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     x = torch.randn(2, 5, 6, 4)                     # a [B, T, S, D] shard on T
+    dynamic_switch(x, 1, 2, global_len=10)          # a first call may agree on the signature (checks)
     with CommAccounting(activations=False) as acct:
         model(torch.randn(2, 4)).sum().backward()   # DDP all-reduces the gradient bucket from C++
         with CommAccounting(activations=False) as inner:   # blocks nest: both record the switch
