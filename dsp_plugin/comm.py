@@ -24,17 +24,30 @@ tokens it holds, and the full gradient is the SUM over the DSP group
 Uneven lengths: a dim of length L on N ranks is cut like ``torch.tensor_split``
 (the first ``L % N`` ranks hold one more). The all-to-all takes uneven split
 sizes directly, so no padding is visible to the caller. Only the full length of
-the sharded dim cannot be seen locally; pass it as ``global_len`` (the DSP plan
-does) or let the primitive recover it with one tiny all_gather.
+the sharded dim cannot be seen locally: it travels with the data, as a tag that
+``split`` and ``dynamic_switch`` put on their outputs (``dsp_plugin.layout``);
+``global_len=`` overrides it, and without either the group is asked (one tiny
+all_gather and a host sync).
+
+Cross-rank agreement: before a collective the ranks may compare fingerprints of
+the call (``dsp_plugin.checks``; ``DSP_CHECK=1`` always, by default the first
+call of each signature), so a disagreement raises the same clear error on every
+rank instead of aborting gloo or returning garbage. A rank's own argument error
+goes through that exchange too, so its peers stop with it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import math
+import operator
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+from dsp_plugin import checks, layout
+from dsp_plugin.packing import chunk_sizes, join_blocks, offsets, split_blocks
 
 if TYPE_CHECKING:
     from dsp_plugin.topology import Topology
@@ -49,6 +62,7 @@ __all__ = [
     "reduce_gradients",
     "sharded_calls",
     "split",
+    "switch_apply",
 ]
 
 # How many split/dynamic_switch calls this process made on a group of size > 1.
@@ -67,7 +81,7 @@ def _count_sharded_call() -> None:
     _sharded_calls += 1
 
 # ---------------------------------------------------------------------------
-# groups and sizes
+# groups, arguments and the cross-rank agreement
 # ---------------------------------------------------------------------------
 
 
@@ -92,6 +106,19 @@ def _group_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup 
     return group, (1 if group is None else dist.get_world_size(group))
 
 
+def _member(name: str, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(group, size, rank in group); a clear error at once for a group this process is not in."""
+    group = _resolve_group(group)
+    if group is None:
+        return None, 1, 0
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{name}: this process (global rank {dist.get_rank()}) is not a member of the group "
+                         f"it was given (ranks {dist.get_process_group_ranks(group)}); expected a group that "
+                         f"contains this rank, or group=None for the DSP group")
+    return group, dist.get_world_size(group), rank
+
+
 def group_size(group: dist.ProcessGroup | None = None) -> int:
     """Size of ``group`` (resolved as in the primitives); 1 without torch.distributed."""
     return _group_and_size(group)[1]
@@ -103,32 +130,18 @@ def group_rank(group: dist.ProcessGroup | None = None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def chunk_sizes(length: int, parts: int) -> list[int]:
-    """Sizes of ``torch.tensor_split(range(length), parts)``: the first ``length % parts`` get one more."""
-    base, extra = divmod(length, parts)
-    return [base + (1 if i < extra else 0) for i in range(parts)]
+def _as_int(name: str, arg: str, value: object) -> int:
+    """Any integral value (int, numpy integer, 0-dim integer tensor), never bool or float."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name}: {arg} must be an int, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name}: {arg} must be an int, got {value!r}") from None
 
 
-def _offsets(sizes: Sequence[int]) -> list[int]:
-    out, acc = [], 0
-    for s in sizes:
-        out.append(acc)
-        acc += s
-    return out
-
-
-def _numel_without(shape: Sequence[int], dim: int) -> int:
-    """Number of elements in one slice of ``shape`` at a fixed index of ``dim``."""
-    count = 1
-    for d, size in enumerate(shape):
-        if d != dim:
-            count *= size
-    return count
-
-
-def _normalize_dim(name: str, arg: str, dim: int, ndim: int) -> int:
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        raise TypeError(f"{name}: {arg} must be an int, got {dim!r}")
+def _normalize_dim(name: str, arg: str, dim: object, ndim: int) -> int:
+    dim = _as_int(name, arg, dim)
     if not -ndim <= dim < ndim:
         raise ValueError(f"{name}: {arg}={dim} is out of range for a tensor with {ndim} dims "
                          f"(expected -{ndim} <= {arg} < {ndim})")
@@ -143,31 +156,65 @@ def _check_tensor(name: str, x: object) -> torch.Tensor:
     return x
 
 
-def _check_global_len(name: str, given: int | None) -> None:
-    if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 0):
-        raise ValueError(f"{name}: global_len must be a non-negative int, got {given!r}")
-
-
-def _global_len(name: str, x: torch.Tensor, dim: int, given: int | None,
-                group: dist.ProcessGroup | None, n: int, rank: int) -> int:
-    """Full length of sharded dim ``dim``; checked against the local chunk when given."""
-    local = x.shape[dim]
+def _check_global_len(name: str, given: object) -> int | None:
     if given is None:
-        # One tiny collective: every rank's local length. Callers that know the
-        # length (the DSP plan) pass it and skip this.
-        lengths = torch.empty(n, dtype=torch.int64, device=x.device)
-        _all_gather_tensor(lengths, torch.tensor([local], dtype=torch.int64, device=x.device), group)
-        sizes = lengths.tolist()
-        total = sum(sizes)
-        if sizes != chunk_sizes(total, n):
-            raise ValueError(f"{name}: local lengths of dim {dim} across the group are {sizes}, "
-                             f"which is not a torch.tensor_split of {total} into {n}")
-        return total
-    expected = chunk_sizes(given, n)[rank]
-    if local != expected:
-        raise ValueError(f"{name}: rank {rank} holds {local} of dim {dim}, but global_len={given} "
-                         f"split over {n} ranks gives it {expected}")
-    return given
+        return None
+    value = _as_int(name, "global_len", given) if not isinstance(given, bool) else -1
+    if value < 0:
+        raise ValueError(f"{name}: global_len must be a non-negative int, got {given!r}")
+    return value
+
+
+def _exchange(fingerprint: list[int], device: torch.device, group: dist.ProcessGroup, n: int) -> list[list[int]]:
+    """Every rank's fingerprint, by group rank: one small all_gather and a host sync."""
+    mine = torch.tensor(fingerprint, dtype=torch.int64, device=device)
+    table = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
+    with checks.exchanging():
+        _all_gather_tensor(table, mine, group)
+    return table.view(n, -1).tolist()
+
+
+def _exchange_device(x: object, group: dist.ProcessGroup) -> torch.device:
+    if isinstance(x, torch.Tensor) and x.device.type != "meta":
+        return x.device
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(name: str, x: object, *, cur: int, tgt: int, known_len: int | None, group: dist.ProcessGroup,
+           n: int, rank: int, error: Exception | None) -> int:
+    """Agree with the group before the collective; return the full length of dim ``cur`` (-1 if none).
+
+    ``error`` is this rank's own argument error: it is raised after the
+    exchange, on every rank alike, so no peer is left waiting in a collective.
+    Without a check and with the length known, this costs nothing.
+    """
+    tensor = x if isinstance(x, torch.Tensor) and error is None else None
+    shape = [] if tensor is None else list(tensor.shape)
+    local = shape[cur] if tensor is not None and cur >= 0 else -1
+    if tensor is not None and cur >= 0:
+        shape[cur] = -1
+    ranks = dist.get_process_group_ranks(group)
+    fingerprint = checks.CallFingerprint(
+        op=name, dtype=None if tensor is None else tensor.dtype, shape=tuple(shape), cur=cur, tgt=tgt,
+        global_len=-1 if known_len is None else known_len, local_len=local, group_size=n,
+        group_hash=checks.group_hash(ranks), device="cpu" if tensor is None else tensor.device.type,
+        error="" if error is None else f"{type(error).__name__}: {error}")
+    if checks.needs_check(fingerprint) or (cur >= 0 and known_len is None):
+        table = _exchange(fingerprint.encode(), _exchange_device(x, group), group, n)
+        try:
+            return checks.judge(name, table, ranks, chunk_sizes)
+        except checks.CrossRankMismatch as mismatch:
+            if error is not None:
+                raise mismatch from error
+            raise
+    if error is not None:
+        raise error
+    if cur >= 0 and local != chunk_sizes(known_len, n)[rank]:  # type: ignore[arg-type]
+        raise ValueError(f"{name}: rank {rank} holds {local} of dim {cur}, but global_len={known_len} "
+                         f"split over {n} ranks gives it {chunk_sizes(known_len, n)[rank]}")  # type: ignore[arg-type]
+    return -1 if cur < 0 else known_len  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------
@@ -186,14 +233,12 @@ def _split_local(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
     return x.tensor_split(n, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
-def _gather(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup, n: int,
-            rank: int) -> torch.Tensor:
-    """S(dim) -> R with one all_gather of equal-size (padded) blocks."""
+def _gather(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup, n: int) -> torch.Tensor:
+    """S(dim) -> R with one all_gather of equal-size blocks (uneven chunks padded inside)."""
     sizes = chunk_sizes(full, n)
     block = max(sizes)
     padded_shape = list(x.shape)
     padded_shape[dim] = block
-    # pack: local chunk into a block of the largest chunk size (padding stays internal)
     if x.shape[dim] == block:
         send = x.contiguous()
     else:
@@ -202,59 +247,42 @@ def _gather(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup, n: i
     # gloo wants the output as blocks concatenated along dim 0: (n * p0, p1, ..)
     recv = x.new_empty((n * padded_shape[0], *padded_shape[1:]))
     _all_gather_tensor(recv, send, group)
+    if block * n == full:
+        return join_blocks(recv.view(-1), padded_shape, dim, sizes)
+    # drop each block's padding: (n, .., block, ..) -> (.., full, ..)
     recv = recv.view(n, *padded_shape)
-    # unpack: (n, ..., block, ...) -> (..., full, ...), dropping each block's padding
     out_shape = list(x.shape)
     out_shape[dim] = full
-    if block * n == full:
-        return recv.movedim(0, dim).flatten(dim, dim + 1).contiguous()
     out = x.new_empty(out_shape)
-    for i, (start, size) in enumerate(zip(_offsets(sizes), sizes)):
+    for i, (start, size) in enumerate(zip(offsets(sizes), sizes)):
         out.narrow(dim, start, size).copy_(recv[i].narrow(dim, 0, size))
     return out
 
 
-def _switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.ProcessGroup,
-            n: int, rank: int) -> torch.Tensor:
-    """S(cur) -> S(tgt): one all_to_all_single, one pack copy, one unpack copy.
+def _switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.ProcessGroup, n: int, rank: int,
+            fold_for: int | None = None) -> torch.Tensor:
+    """S(cur) -> S(tgt): one all_to_all_single between one pack and one unpack (see ``packing``).
 
     Shapes (other dims elided; c_i = rank i's chunk of cur, t_j = rank j's chunk of tgt):
       in   [.., c_rank, .., T_full, ..]
-      send blocks j = 0..n-1, block j = in.narrow(tgt, t_j)   -> [.., c_rank, .., t_j, ..]
-      recv blocks i = 0..n-1, block i from rank i             -> [.., c_i, .., t_rank, ..]
-      out  [.., C_full, .., t_rank, ..] = blocks concatenated along cur
+      send block j = in.narrow(tgt, t_j)       -> [.., c_rank, .., t_j, ..], to rank j
+      recv block i from rank i                 -> [.., c_i, .., t_rank, ..]
+      out  [.., C_full, .., t_rank, ..] = recv blocks concatenated along cur
     """
-    tgt_sizes = chunk_sizes(x.shape[tgt], n)
+    send, send_splits = split_blocks(x, tgt, n)
+    block_shape = list(x.shape)
+    block_shape[tgt] = chunk_sizes(x.shape[tgt], n)[rank]
     cur_sizes = chunk_sizes(cur_full, n)
-    numel_per_tgt_row = _numel_without(x.shape, tgt)
-    # pack: block j holds the tgt-chunk destined to rank j, contiguous and in order
-    send = x.new_empty(x.numel())
-    send_splits = [numel_per_tgt_row * t for t in tgt_sizes]
-    for start, size, off, count in zip(_offsets(tgt_sizes), tgt_sizes, _offsets(send_splits), send_splits):
-        block_shape = list(x.shape)
-        block_shape[tgt] = size
-        send[off:off + count].view(block_shape).copy_(x.narrow(tgt, start, size))
-    # what rank i sends me: its cur chunk c_i times my tgt chunk
-    recv_shape = list(x.shape)
-    recv_shape[tgt] = tgt_sizes[rank]
-    per_cur_row = _numel_without(recv_shape, cur)
-    recv_splits = [per_cur_row * c for c in cur_sizes]
-    recv = x.new_empty(sum(recv_splits))
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_splits,
-                           input_split_sizes=send_splits, group=group)
-    # unpack: concatenate the received blocks along cur
-    out_shape = list(recv_shape)
-    out_shape[cur] = cur_full
-    out = x.new_empty(out_shape)
-    for start, size, off, count in zip(_offsets(cur_sizes), cur_sizes, _offsets(recv_splits), recv_splits):
-        block_shape = list(recv_shape)
-        block_shape[cur] = size
-        out.narrow(cur, start, size).copy_(recv[off:off + count].view(block_shape))
-    return out
+    per_cur_row = math.prod(s for d, s in enumerate(block_shape) if d != cur)
+    recv_splits = None if len(set(cur_sizes)) == 1 else [per_cur_row * c for c in cur_sizes]
+    recv = x.new_empty(per_cur_row * cur_full)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
+    return join_blocks(recv, block_shape, cur, cur_sizes, fold_for=fold_for)
 
 
 # ---------------------------------------------------------------------------
-# autograd functions: each backward is the inverse primitive
+# autograd functions: each backward is the inverse primitive, itself differentiable
+# (so a gradient penalty's double backward goes through the collectives too)
 # ---------------------------------------------------------------------------
 
 
@@ -266,31 +294,31 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _gather(grad.contiguous(), ctx.dim, ctx.full, ctx.group, ctx.n, ctx.rank), None, None, None, None
+        return _Gather.apply(grad, ctx.dim, ctx.full, ctx.group, ctx.n, ctx.rank), None, None, None, None
 
 
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, full, group, n, rank):  # type: ignore[override]
-        ctx.dim, ctx.n, ctx.rank = dim, n, rank
-        return _gather(x, dim, full, group, n, rank)
+        ctx.dim, ctx.group, ctx.n, ctx.rank = dim, group, n, rank
+        return _gather(x, dim, full, group, n)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _split_local(grad, ctx.dim, ctx.n, ctx.rank), None, None, None, None, None
+        return _Split.apply(grad, ctx.dim, ctx.group, ctx.n, ctx.rank), None, None, None, None, None
 
 
 class _Switch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cur, tgt, cur_full, group, n, rank):  # type: ignore[override]
+    def forward(ctx, x, cur, tgt, cur_full, group, n, rank, fold_for):  # type: ignore[override]
         ctx.cur, ctx.tgt, ctx.group, ctx.n, ctx.rank = cur, tgt, group, n, rank
         ctx.tgt_full = x.shape[tgt]
-        return _switch(x, cur, tgt, cur_full, group, n, rank)
+        return _switch(x, cur, tgt, cur_full, group, n, rank, fold_for)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        grad = _switch(grad.contiguous(), ctx.tgt, ctx.cur, ctx.tgt_full, ctx.group, ctx.n, ctx.rank)
-        return grad, None, None, None, None, None, None
+        grad = _Switch.apply(grad, ctx.tgt, ctx.cur, ctx.tgt_full, ctx.group, ctx.n, ctx.rank, None)
+        return grad, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -301,60 +329,197 @@ class _Switch(torch.autograd.Function):
 def split(x: torch.Tensor, tgt_shard: int, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Replicate -> Shard(tgt_shard): keep this rank's ``tensor_split`` chunk of dim ``tgt_shard``.
 
-    No communication. Backward gathers the gradient (one all_gather), so the
-    input gradient is the full one on every rank. A size-1 group returns ``x``.
+    No communication (but see ``dsp_plugin.checks`` for the cross-rank check).
+    The output is tagged with the full length (``dsp_plugin.layout``), so a later
+    switch or gather needs no ``global_len``. Backward gathers the gradient (one
+    all_gather). A size-1 group returns ``x``.
     """
-    x = _check_tensor("split", x)
-    dim = _normalize_dim("split", "tgt_shard", tgt_shard, x.dim())
-    group, n = _group_and_size(group)
+    group, n, rank = _member("split", group)
+    error, dim = None, -1
+    try:
+        x = _check_tensor("split", x)
+        dim = _normalize_dim("split", "tgt_shard", tgt_shard, x.dim())
+    except (TypeError, ValueError) as exc:
+        if n == 1:
+            raise
+        error = exc
     if n == 1:
         return x
+    _agree("split", x, cur=-1, tgt=dim, known_len=None, group=group, n=n, rank=rank, error=error)
     _count_sharded_call()
-    return _Split.apply(x, dim, group, n, dist.get_rank(group))
+    return layout.attach(_Split.apply(x, dim, group, n, rank), dim, x.shape[dim])
 
 
 def gather(x: torch.Tensor, cur_shard: int, *, group: dist.ProcessGroup | None = None,
            global_len: int | None = None) -> torch.Tensor:
     """Shard(cur_shard) -> Replicate: one all_gather along dim ``cur_shard``.
 
-    ``global_len`` is the full length of dim ``cur_shard``; without it one tiny
-    all_gather of the local lengths recovers it. Backward keeps this rank's
-    chunk of the gradient. A size-1 group returns ``x``.
+    ``global_len`` is the full length of dim ``cur_shard``. Without it the length
+    comes from ``x``'s tag (``split``/``dynamic_switch`` outputs carry it), else
+    from the group (one tiny all_gather and a host sync). Backward keeps this
+    rank's chunk of the gradient. A size-1 group returns ``x``.
     """
-    x = _check_tensor("gather", x)
-    dim = _normalize_dim("gather", "cur_shard", cur_shard, x.dim())
-    _check_global_len("gather", global_len)
-    group, n = _group_and_size(group)
+    group, n, rank = _member("gather", group)
+    error, dim, known = None, -1, None
+    try:
+        x = _check_tensor("gather", x)
+        dim = _normalize_dim("gather", "cur_shard", cur_shard, x.dim())
+        known = _check_global_len("gather", global_len)
+    except (TypeError, ValueError) as exc:
+        if n == 1:
+            raise
+        error = exc
     if n == 1:
         return x
-    rank = dist.get_rank(group)
-    full = _global_len("gather", x, dim, global_len, group, n, rank)
+    if known is None and error is None:
+        known = layout.global_len_of(x, dim)
+    full = _agree("gather", x, cur=dim, tgt=-1, known_len=known, group=group, n=n, rank=rank, error=error)
     return _Gather.apply(x, dim, full, group, n, rank)
 
 
 def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
-                   group: dist.ProcessGroup | None = None, global_len: int | None = None) -> torch.Tensor:
+                   group: dist.ProcessGroup | None = None, global_len: int | None = None,
+                   fold_for: int | None = None) -> torch.Tensor:
     """Shard(cur_shard) -> Shard(tgt_shard) with one ``all_to_all_single``.
 
     Every rank sends (N-1)/N of its shard: M(N-1)/N^2 bytes per rank for an
-    activation of M bytes. ``global_len`` is the full length of dim
-    ``cur_shard`` (see the module docstring). Backward is the switch with the
-    two dims exchanged. A size-1 group returns ``x``.
+    activation of M bytes. The full length of dim ``cur_shard`` is ``global_len``,
+    else ``x``'s tag, else asked of the group (see ``gather``). ``fold_for=a``
+    lays the output out in memory with dim ``a`` second to last, so a block that
+    attends along ``a`` folds the other dims into its batch without a copy
+    (``dsp_plugin.packing.join_blocks``). Backward is the switch with the two
+    dims exchanged. A size-1 group returns ``x``.
     """
-    x = _check_tensor("dynamic_switch", x)
-    cur = _normalize_dim("dynamic_switch", "cur_shard", cur_shard, x.dim())
-    tgt = _normalize_dim("dynamic_switch", "tgt_shard", tgt_shard, x.dim())
-    if cur == tgt:
-        raise ValueError(f"dynamic_switch: cur_shard={cur_shard} equals tgt_shard={tgt_shard} "
-                         f"(both are dim {cur} of a {x.dim()}-dim tensor); expected two different dims")
-    _check_global_len("dynamic_switch", global_len)
-    group, n = _group_and_size(group)
+    group, n, rank = _member("dynamic_switch", group)
+    error, cur, tgt, known = None, -1, -1, None
+    try:
+        x = _check_tensor("dynamic_switch", x)
+        cur = _normalize_dim("dynamic_switch", "cur_shard", cur_shard, x.dim())
+        tgt = _normalize_dim("dynamic_switch", "tgt_shard", tgt_shard, x.dim())
+        if cur == tgt:
+            raise ValueError(f"dynamic_switch: cur_shard={cur_shard} equals tgt_shard={tgt_shard} "
+                             f"(both are dim {cur} of a {x.dim()}-dim tensor); expected two different dims")
+        if fold_for is not None:
+            fold_for = _normalize_dim("dynamic_switch", "fold_for", fold_for, x.dim())
+        known = _check_global_len("dynamic_switch", global_len)
+    except (TypeError, ValueError) as exc:
+        if n == 1:
+            raise
+        error = exc
     if n == 1:
         return x
-    rank = dist.get_rank(group)
-    cur_full = _global_len("dynamic_switch", x, cur, global_len, group, n, rank)
+    if known is None and error is None:
+        known = layout.global_len_of(x, cur)
+    cur_full = _agree("dynamic_switch", x, cur=cur, tgt=tgt, known_len=known, group=group, n=n, rank=rank,
+                      error=error)
     _count_sharded_call()
-    return _Switch.apply(x, cur, tgt, cur_full, group, n, rank)
+    out = _Switch.apply(x, cur, tgt, cur_full, group, n, rank, fold_for)
+    return layout.attach(out, tgt, x.shape[tgt])
+
+
+# ---------------------------------------------------------------------------
+# overlap: the switch of one batch chunk in flight while the previous one computes
+# ---------------------------------------------------------------------------
+
+
+class _SwitchStart(torch.autograd.Function):
+    """Pack and launch the all-to-all; returns the receive buffer, filled once ``_SwitchFinish`` waits."""
+
+    @staticmethod
+    def forward(ctx, x, cur, tgt, cur_full, group, n, rank, pending):  # type: ignore[override]
+        send, send_splits = split_blocks(x, tgt, n)
+        block_shape = list(x.shape)
+        block_shape[tgt] = chunk_sizes(x.shape[tgt], n)[rank]
+        cur_sizes = chunk_sizes(cur_full, n)
+        per_cur_row = math.prod(s for d, s in enumerate(block_shape) if d != cur)
+        recv_splits = None if len(set(cur_sizes)) == 1 else [per_cur_row * c for c in cur_sizes]
+        recv = x.new_empty(per_cur_row * cur_full)
+        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                                      group=group, async_op=True)
+        pending.update(work=work, send=send, block_shape=block_shape, cur_sizes=cur_sizes)
+        ctx.group, ctx.n, ctx.tgt = group, n, tgt
+        ctx.splits = (send_splits, recv_splits)
+        ctx.x_shape = list(x.shape)
+        return recv
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_recv):  # type: ignore[override]
+        send_splits, recv_splits = ctx.splits
+        # the forward's exchange reversed: block i goes back to rank i, block j comes from rank j
+        grad_send = grad_recv.new_empty(math.prod(ctx.x_shape))
+        dist.all_to_all_single(grad_send, grad_recv.contiguous(), output_split_sizes=send_splits,
+                               input_split_sizes=recv_splits, group=ctx.group)
+        tgt_sizes = chunk_sizes(ctx.x_shape[ctx.tgt], ctx.n)
+        return join_blocks(grad_send, ctx.x_shape, ctx.tgt, tgt_sizes), None, None, None, None, None, None, None
+
+
+class _SwitchFinish(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, recv, cur, n, pending):  # type: ignore[override]
+        pending.pop("work").wait()
+        pending.pop("send")
+        ctx.cur, ctx.n = cur, n
+        return join_blocks(recv, pending["block_shape"], cur, pending["cur_sizes"])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        return split_blocks(grad, ctx.cur, ctx.n)[0], None, None, None
+
+
+def switch_apply(x: torch.Tensor, fn, cur_shard: int, tgt_shard: int, *, chunks: int = 2,  # noqa: ANN001
+                 chunk_dim: int = 0, group: dist.ProcessGroup | None = None,
+                 global_len: int | None = None) -> torch.Tensor:
+    """``fn(dynamic_switch(x, cur_shard, tgt_shard))``, with communication hidden behind computation.
+
+    ``x`` is cut into ``chunks`` along ``chunk_dim`` (a batch dim: neither shard
+    dim). The all-to-all of chunk ``i + 1`` is in flight (``async_op``) while
+    ``fn`` runs on chunk ``i``; the results are concatenated along ``chunk_dim``.
+    Same bytes and one collective per chunk; ``fn`` must treat chunks
+    independently (a transformer block does: it never mixes samples). Backward
+    is correct but not overlapped, and not differentiable twice (use
+    ``dynamic_switch`` for a gradient penalty).
+    """
+    group, n, rank = _member("switch_apply", group)
+    error, cur, tgt, known = None, -1, -1, None
+    try:
+        x = _check_tensor("switch_apply", x)
+        cur = _normalize_dim("switch_apply", "cur_shard", cur_shard, x.dim())
+        tgt = _normalize_dim("switch_apply", "tgt_shard", tgt_shard, x.dim())
+        batch = _normalize_dim("switch_apply", "chunk_dim", chunk_dim, x.dim())
+        chunks = _as_int("switch_apply", "chunks", chunks)
+        if len({cur, tgt, batch}) < 3:
+            raise ValueError(f"switch_apply: cur_shard={cur_shard}, tgt_shard={tgt_shard} and chunk_dim={chunk_dim} "
+                             f"must be three different dims")
+        if not 1 <= chunks:
+            raise ValueError(f"switch_apply: chunks={chunks}; expected a positive int")
+        known = _check_global_len("switch_apply", global_len)
+    except (TypeError, ValueError) as exc:
+        if n == 1:
+            raise
+        error = exc
+    if n == 1:
+        return fn(x)
+    if known is None and error is None:
+        known = layout.global_len_of(x, cur)
+    cur_full = _agree("dynamic_switch", x, cur=cur, tgt=tgt, known_len=known, group=group, n=n, rank=rank,
+                      error=error)
+    _count_sharded_call()
+    pieces = [p for p in x.tensor_split(chunks, dim=batch) if p.shape[batch] > 0]
+
+    def start(piece: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        pending: dict = {}
+        return _SwitchStart.apply(piece, cur, tgt, cur_full, group, n, rank, pending), pending
+
+    outputs, in_flight = [], start(pieces[0])
+    for i in range(len(pieces)):
+        following = start(pieces[i + 1]) if i + 1 < len(pieces) else None
+        recv, pending = in_flight
+        outputs.append(fn(_SwitchFinish.apply(recv, cur, n, pending)))
+        in_flight = following  # type: ignore[assignment]
+    out = torch.cat(outputs, dim=batch)
+    return layout.attach(out, tgt, x.shape[tgt]) if out.dim() == x.dim() else out
 
 
 # ---------------------------------------------------------------------------
@@ -379,7 +544,7 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter], *, topology: Topo
     topology = topology if topology is not None else get_topology()
     group = topology.dp_dsp_group if topology is not None else dist.group.WORLD
     dp = topology.dp if topology is not None else 1
-    if dist.get_world_size(group) == 1:
+    if group is None or dist.get_world_size(group) == 1:  # a topology without groups is one process
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)

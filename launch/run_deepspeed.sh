@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Train the tiny STDiT with DeepSpeed + DSP. Knobs (environment, with defaults):
-#   NPROC=4 DSP=2 ZERO=2 STEPS=10 LAUNCHER=deepspeed|torchrun PORT=29500 CONFIG=launch/ds_config_dsp.json
+#   NPROC=4 DSP=2 ZERO=2 PRECISION=fp32|bf16|fp16 STEPS=10 LAUNCHER=deepspeed|torchrun PORT=29500
+#   CONFIG=launch/ds_config_dsp.json
 # e.g.  NPROC=4 DSP=2 ZERO=3 ./launch/run_deepspeed.sh --save_dir /tmp/ckpt --save_at 5
+#       NPROC=2 DSP=2 ZERO=3 PRECISION=bf16 ./launch/run_deepspeed.sh --losses_json /tmp/bf16.json
+# (fp16 needs a GPU: DeepSpeed's CPU accelerator refuses it without mkldnn fp16.)
 # Extra arguments go to launch/train_deepspeed.py. CPU + gloo unless DeepSpeed finds an accelerator.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +14,7 @@ DSP=${DSP:-2}
 ZERO=${ZERO:-2}
 STEPS=${STEPS:-10}
 LAUNCHER=${LAUNCHER:-deepspeed}
+PRECISION=${PRECISION:-fp32}
 PORT=${PORT:-29500}
 CONFIG=${CONFIG:-launch/ds_config_dsp.json}
 # The project's venv (scripts/setup.sh) when present, so python, deepspeed and torchrun resolve there.
@@ -18,15 +22,24 @@ if [ -x .venv/bin/python ]; then export PATH="$PWD/.venv/bin:$PATH"; fi
 PYTHON=${PYTHON:-python}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-# The config with this run's DSP size and ZeRO stage; the key itself comes from CONFIG.
+case "$PRECISION" in
+  fp32|bf16|fp16) ;;
+  *) echo "PRECISION must be fp32, bf16 or fp16, got '$PRECISION'" >&2; exit 2 ;;
+esac
+
+# The config with this run's DSP size, ZeRO stage and precision; the key itself comes from CONFIG.
 RUN_CONFIG=$(mktemp --suffix=.json)
 trap 'rm -f "$RUN_CONFIG"' EXIT
-"$PYTHON" - "$CONFIG" "$DSP" "$ZERO" "$RUN_CONFIG" <<'PY'
+"$PYTHON" - "$CONFIG" "$DSP" "$ZERO" "$PRECISION" "$RUN_CONFIG" <<'PY'
 import json, sys
-src, dsp, zero, dst = sys.argv[1:]
+src, dsp, zero, precision, dst = sys.argv[1:]
 config = json.load(open(src))
 config["sequence_parallel_size"] = int(dsp)
 config.setdefault("zero_optimization", {})["stage"] = int(zero)
+for key in ("bf16", "bfloat16", "fp16"):
+    config.pop(key, None)
+if precision != "fp32":
+    config[precision] = {"enabled": True}
 json.dump(config, open(dst, "w"), indent=1)
 PY
 

@@ -6,6 +6,9 @@
 #   NPROC=4 PP=2 DSP=2 ./launch/run_megatron.sh                # PP=2 x DSP=2
 #   MODE=none NPROC=1 DSP=1 ./launch/run_megatron.sh           # no DSP (single process baseline)
 #   IMPL=transformer_engine FP8=hybrid ./launch/run_megatron.sh  # GPU: TE layers, FP8 autocast
+#   EVAL_ITERS=2 EVAL_INTERVAL=2 ./launch/run_megatron.sh        # validation loss every 2 iterations
+#   ./launch/run_megatron.sh --save /tmp/ckpt --save-interval 2   # Megatron checkpoints (torch_dist);
+#   ITERS=6 ./launch/run_megatron.sh --load /tmp/ckpt             # resume (same or another DSP size)
 #
 # Extra Megatron arguments pass through: ./launch/run_megatron.sh --log-interval 1
 # On a machine without CUDA the same command runs on gloo (see launch/pretrain_stdit.py).
@@ -31,6 +34,10 @@ FRAMES=${FRAMES:-8}          # latent frames T
 HEIGHT=${HEIGHT:-2}          # latent patches H (S = H * W)
 WIDTH=${WIDTH:-3}
 CHANNELS=${CHANNELS:-4}
+TEXT_DIM=${TEXT_DIM:-16}      # text embedding width for cross-attention (0: none)
+TEXT_LEN=${TEXT_LEN:-4}
+EVAL_ITERS=${EVAL_ITERS:-0}   # validation batches per evaluation (Megatron's --eval-iters)
+EVAL_INTERVAL=${EVAL_INTERVAL:-1000000}
 IMPL=${IMPL:-local}          # --transformer-impl: local | transformer_engine
 FP8=${FP8:-}                 # --fp8-format (e4m3 | hybrid), GPU + TE only
 SEED=${SEED:-1234}
@@ -51,13 +58,14 @@ ARGS=(
     --ffn-hidden-size $(( 4 * HIDDEN )) --seq-length $(( FRAMES * HEIGHT * WIDTH ))
     --max-position-embeddings $(( FRAMES * HEIGHT * WIDTH ))
     --latent-channels "$CHANNELS" --num-frames "$FRAMES" --latent-height "$HEIGHT" --latent-width "$WIDTH"
+    --text-dim "$TEXT_DIM" --text-len "$TEXT_LEN" --norm-epsilon 1e-6
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS"
     --lr 1e-3 --min-lr 1e-3 --lr-decay-style constant --weight-decay 0.0 --clip-grad 0
     --hidden-dropout 0 --attention-dropout 0 --normalization LayerNorm
     --transformer-impl "$IMPL" --no-gradient-accumulation-fusion --no-bias-dropout-fusion --no-bias-gelu-fusion
     --no-masked-softmax-fusion --no-persist-layer-norm --use-cpu-initialization
     --distributed-backend "$BACKEND" --distributed-timeout-minutes 5
-    --seed "$SEED" --init-seed "$SEED" --log-interval 1 --eval-iters 0 --eval-interval 1000000
+    --seed "$SEED" --init-seed "$SEED" --log-interval 1 --eval-iters "$EVAL_ITERS" --eval-interval "$EVAL_INTERVAL"
     --num-workers "${WORKERS:-0}"
     "${DTYPE_ARGS[@]}"
 )

@@ -1,7 +1,10 @@
 """Train the tiny STDiT with DeepSpeed and DSP on synthetic video latents (CPU/gloo by default).
 
-The only DSP-specific lines are the import of ``initialize`` and the
-``parallelize`` call on the model; the config carries the key::
+What DSP changes in a DeepSpeed script, all three marked ``# DSP`` below: the
+config carries the key (``launch/ds_config_dsp.json``), ``initialize`` comes from
+``dsp_plugin.deepspeed``, and the model is made DSP-aware (``parallelize`` for
+this STDiT). Precision follows the config (``"bf16"``/``"fp16"``): inputs are
+cast to the parameters' dtype and the loss is taken in fp32::
 
     deepspeed --num_gpus 4 launch/train_deepspeed.py --deepspeed_config launch/ds_config_dsp.json
     torchrun --standalone --nproc_per_node 4 launch/train_deepspeed.py --deepspeed_config launch/ds_config_dsp.json
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsp_plugin.deepspeed import initialize  # the one changed line (was: deepspeed.initialize)
+from dsp_plugin.deepspeed import initialize  # DSP (was: deepspeed.initialize)
 from dsp_plugin.models import STDiT, STDiTConfig, parallelize
 
 
@@ -58,7 +61,7 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     torch.manual_seed(0)
-    model = parallelize(STDiT(STDiTConfig.preset("tiny")))
+    model = parallelize(STDiT(STDiTConfig.preset("tiny")))  # DSP: split / switch / gather hooks
     data = synthetic_dataset(args.samples, args.frames, args.size)
     engine, _, loader, _ = initialize(args=args, model=model, model_parameters=model.parameters(),
                                       training_data=data)
@@ -66,6 +69,7 @@ def main() -> None:
         _, client = engine.load_checkpoint(args.load_dir, tag="dsp")
         loader.load_state_dict(client["loader"])
     rank, gas = dist.get_rank(), engine.gradient_accumulation_steps()
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.half if engine.fp16_enabled() else torch.float32
     batches = iter(loader)
     losses = []
     for step in range(1, args.steps + 1):
@@ -77,7 +81,8 @@ def main() -> None:
                 batches = iter(loader)
                 batch = next(batches)
             latents, timestep, text, target = batch
-            loss = torch.nn.functional.mse_loss(engine(latents, timestep, text), target)
+            prediction = engine(latents.to(dtype), timestep, text.to(dtype))
+            loss = torch.nn.functional.mse_loss(prediction.float(), target)
             engine.backward(loss)
             engine.step()
             total += loss.detach() / gas

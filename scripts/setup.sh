@@ -24,6 +24,6 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/python" -m pip install --quiet --upgrade pip
 echo "setup: installing pinned dependencies (torch for 3.12 from PyPI is the CUDA build, ~3 GB; a few minutes the first time)"
-"$venv/bin/python" -m pip install --quiet -c constraints.txt -e ".[test,megatron,deepspeed,bench]"
+"$venv/bin/python" -m pip install --quiet -c constraints.txt -e ".[test,megatron,deepspeed,bench,diffusers]"
 touch "$venv/.installed"
-echo "setup: done ($("$venv/bin/python" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("torch", "deepspeed", "megatron-core")))'))"
+echo "setup: done ($("$venv/bin/python" -c 'from importlib.metadata import version as v; print(", ".join(f"{p} {v(p)}" for p in ("torch", "deepspeed", "megatron-core", "diffusers")))'))"

@@ -75,14 +75,20 @@ def dsp_model() -> STDiT:
 
 
 def full_params(engine: Any) -> Params:
-    """Every parameter of the engine's module, gathered under ZeRO-3 (a collective: call on all ranks)."""
-    params = list(engine.module.named_parameters())
-    if engine.zero_optimization_stage() == 3:
-        from deepspeed.runtime.zero import GatheredParameters
+    """Every parameter of the engine's module (fp32 master copy when the optimizer keeps one).
 
-        with GatheredParameters([p for _, p in params]):
-            return {name: p.detach().clone().numpy() for name, p in params}
-    return {name: p.detach().clone().numpy() for name, p in params}
+    A collective under ZeRO-3: call on all ranks. ``safe_get_full_fp32_param``
+    is DeepSpeed's public accessor for the optimizer's fp32 copy (bf16/fp16 and
+    ZeRO 1-3); without one (fp32 ZeRO-0) the module parameter is the master.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    params = list(engine.module.named_parameters())
+    out = {}
+    for name, p in params:
+        master = safe_get_full_fp32_param(p)
+        out[name] = (p if master is None else master).detach().float().clone().numpy()
+    return out
 
 
 def reference_run(steps: int, batch_size: int, *, lr: float, optimizer: str = "sgd") -> tuple[Params, list[float]]:

@@ -1,10 +1,16 @@
-"""Shared worker for the Megatron composition tests: train a few steps per layout, return losses and grads.
+"""Shared worker for the Megatron composition tests, and the plain-torch oracle they are checked against.
 
-One spawn of 4 gloo ranks runs several layouts one after the other
-(``initialize_model_parallel`` / ``destroy_model_parallel`` between them),
-because starting processes that import megatron is the dominant cost on CI.
-Everything that runs is real megatron-core: parallel_state, TransformerLayers,
-DDP, the pipeline schedules and ``finalize_model_grads``.
+The oracle (:func:`reference_run`) is ``dsp_plugin.models.stdit.STDiT`` trained with
+torch SGD on the whole global batch in one process: no megatron-core, no
+collective, no code shared with the system under test except the weights it is
+drawn with. Each Megatron layout (:func:`run_layouts`) loads those weights
+(``load_reference_weights``) and trains the same steps through real megatron-core:
+parallel_state with DSP in the CP slot, a stock ``TransformerBlock`` of DSP layers,
+DDP over DP x CP, the pipeline schedules, ``finalize_model_grads``.
+
+One spawn runs several layouts one after the other (``initialize_model_parallel`` /
+``destroy_model_parallel`` between them), because starting processes that import
+megatron is the dominant cost on CI.
 """
 
 from __future__ import annotations
@@ -18,35 +24,72 @@ from dsp_plugin.megatron.model import VideoShape
 
 #: Latent geometry: T=6 and S=2*3=6 split unevenly over 4 DSP ranks (2,2,1,1) and evenly over 2.
 VIDEO = VideoShape(channels=4, frames=6, height=2, width=3)
+TEXT_DIM, TEXT_LEN = 8, 3
 GLOBAL_BATCH = 2
 SEED = 1234
+LR = 0.1
 
-#: name -> (tp, dsp, pp, micro_batch_size, num_microbatches, megatron sequence_parallel), on 4 ranks
+#: name -> (tp, dsp, pp, micro_batch_size, num_microbatches, recompute), on 4 ranks
 COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {
     "DSP=4": (1, 4, 1, 2, 1, False),
     "DSP=2 x DP=2": (1, 2, 1, 1, 1, False),
     "TP=2 x DSP=2": (2, 2, 1, 2, 1, False),
     "PP=2 x DSP=2": (1, 2, 2, 1, 2, False),
-    "TP=2 x DSP=2 + Megatron-SP": (2, 2, 1, 2, 1, True),
+    "PP=2 x DSP=2 + full recompute": (1, 2, 2, 1, 2, True),
 }
-#: the same on 2 ranks: DSP alone, no data parallelism
+#: on 2 ranks: DSP alone, without and with full recompute (uniform, 1 layer per chunk)
 TWO_RANK_COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {
     "DSP=2": (1, 2, 1, 2, 1, False),
+    "DSP=2 + full recompute": (1, 2, 1, 2, 1, True),
 }
-REFERENCE = (1, 1, 1, GLOBAL_BATCH, 1, False)
 
 
-def tiny_config(tp: int, pp: int, sequence_parallel: bool) -> Any:
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def tiny_config(tp: int, pp: int, *, recompute: bool = False, dtype: str = "fp32") -> Any:
+    from dsp_plugin.megatron.steps import dsp_config, gelu_tanh
 
-    return TransformerConfig(
-        num_layers=4, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=sequence_parallel,
-        context_parallel_size=1, pipeline_dtype=torch.float32, params_dtype=torch.float32,
+    recompute_args = dict(recompute_granularity="full", recompute_method="uniform",
+                          recompute_num_layers=1) if recompute else {}
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    return dsp_config(
+        VIDEO, num_layers=4, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=1,
+        pipeline_dtype=half or torch.float32, params_dtype=torch.float32, bf16=dtype == "bf16", fp16=dtype == "fp16",
         variable_seq_lengths=pp > 1, moe_token_dispatcher_type="alltoall",  # required by variable lengths
-        use_cpu_initialization=True, perform_initialization=False,
-        bias_dropout_fusion=False, masked_softmax_fusion=False, gradient_accumulation_fusion=False,
-        apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0, deallocate_pipeline_outputs=True)
+        use_cpu_initialization=True, perform_initialization=False, layernorm_epsilon=1e-6,
+        activation_func=gelu_tanh, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        deallocate_pipeline_outputs=True, **recompute_args)
+
+
+def dataset(steps: int) -> Any:
+    from dsp_plugin.megatron.steps import SyntheticVideoDataset
+
+    return SyntheticVideoDataset(VIDEO, GLOBAL_BATCH * steps, seed=SEED, text_dim=TEXT_DIM, text_len=TEXT_LEN)
+
+
+def reference_run(steps: int) -> dict[str, Any]:
+    """The plain-torch oracle: losses and Megatron-named full gradients per step."""
+    from dsp_plugin.megatron.steps import reference_weights
+    from dsp_plugin.megatron.weights import megatron_names, reference_config
+    from dsp_plugin.models.stdit import STDiT
+
+    config = tiny_config(1, 1)
+    model = STDiT(reference_config(config, VIDEO.channels, TEXT_DIM))
+    model.load_state_dict(reference_weights(config, VIDEO, TEXT_DIM, SEED))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    data = dataset(steps)
+    losses, grads = [], []
+    for step in range(steps):
+        batch = torch.utils.data.default_collate([data[step * GLOBAL_BATCH + i] for i in range(GLOBAL_BATCH)])
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(batch["latents"], batch["timestep"], batch["text"]),
+                                            batch["target"])
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(megatron_names({n: p.grad.clone() for n, p in model.named_parameters()},
+                                    config.num_attention_heads))
+        optimizer.step()
+    return {"losses": losses, "grads": grads}
 
 
 def parse_error(argv: list[str], world_size: int) -> str:
@@ -75,7 +118,8 @@ def parse_error(argv: list[str], world_size: int) -> str:
 
 def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, int, int, bool]],
                 steps: int, bad_argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """For each layout: ``{"losses": [...], "grads": [{global_name: (tp_rank, dim, grad)}] per step}``.
+    """For each layout: ``{"losses": [(value, count) | None], "grads": [{global_name: (tp_rank, dim, grad)}]}``
+    plus the collectives of step 0 on this rank.
 
     With ``bad_argv`` every rank first parses those arguments; the error is stored
     under ``"bad_args_error"`` of each layout's result (no rank may wait on another).
@@ -86,43 +130,43 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, i
 
     from dsp_plugin.megatron.cpu import install_cuda_shim, train_step, wrap_ddp
     from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
-    from dsp_plugin.megatron.steps import SyntheticVideoDataset, build_model
+    from dsp_plugin.megatron.steps import build_model
     from dsp_plugin.megatron.weights import global_parameter_name
     from dsp_plugin.topology import set_topology
 
     install_cuda_shim()
     out = []
-    for tp, dsp, pp, mbs, num_mb, seq_par in layouts:
+    for tp, dsp, pp, mbs, num_mb, recompute in layouts:
         initialize_dsp_model_parallel(tp=tp, dsp=dsp, pp=pp, timeout_minutes=2)
         try:
-            config = tiny_config(tp, pp, seq_par)
-            model = build_model(config, VIDEO, pre_process=ps.is_pipeline_first_stage(),
+            config = tiny_config(tp, pp, recompute=recompute)
+            model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN,
+                                pre_process=ps.is_pipeline_first_stage(),
                                 post_process=ps.is_pipeline_last_stage(), seed=SEED)
             ddp = wrap_ddp(model, config)
-            optimizer = torch.optim.SGD(ddp.module.parameters(), lr=0.1)
-            dataset = SyntheticVideoDataset(VIDEO, GLOBAL_BATCH * steps, seed=SEED)
+            optimizer = torch.optim.SGD(ddp.module.parameters(), lr=LR)
+            data = dataset(steps)
             sampler = MegatronPretrainingSampler(
-                total_samples=len(dataset), consumed_samples=0, micro_batch_size=mbs,
+                total_samples=len(data), consumed_samples=0, micro_batch_size=mbs,
                 data_parallel_rank=ps.get_data_parallel_rank(),
                 data_parallel_size=ps.get_data_parallel_world_size())
-            batches = iter(torch.utils.data.DataLoader(dataset, batch_sampler=sampler))
+            batches = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler))
             losses, grads = [], []
             tp_rank = ps.get_tensor_model_parallel_rank()
-            switches = None
+            collectives = None
             for step in range(steps):
                 with CommAccounting(activations=False) as acct:
                     losses.append(train_step([ddp], batches, optimizer, num_microbatches=num_mb,
                                              micro_batch_size=mbs, seq_length=VIDEO.tokens))
-                if step == 0:  # DSP all-to-alls of one step on this rank: (forward, backward)
-                    switches = tuple(sum(1 for r in acct.select(op="all_to_all", phase=phase)
-                                         if r.group_size == dsp) for phase in ("forward", "backward"))
+                if step == 0:  # every collective of one step on this rank: (op, group size, phase)
+                    collectives = [(r.op, r.group_size, r.phase) for r in acct.records]
                 grads.append({
                     global_parameter_name(name, model.layer_offset): (
                         tp_rank, getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False)
                         else None, p.main_grad.detach().numpy().copy())  # numpy: pickled by value
                     for name, p in model.named_parameters()})
-            out.append({"losses": losses, "grads": grads, "tp_rank": tp_rank, "switches": switches,
-                        "stage_layers": len(model.layers), "first_stage": model.pre_process,
+            out.append({"losses": losses, "grads": grads, "tp_rank": tp_rank, "collectives": collectives,
+                        "stage_layers": len(model.decoder.layers), "first_stage": model.pre_process,
                         "bad_args_error": bad_args_error})
         finally:
             ps.destroy_model_parallel()
@@ -131,7 +175,7 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, i
 
 
 def assemble(per_rank: list[dict[str, Any]], step: int) -> dict[str, torch.Tensor]:
-    """Full gradients of one step: TP chunks concatenated; replicas across DSP/DP/TP must agree exactly-ish."""
+    """Full gradients of one step: TP chunks concatenated; replicas across DSP/DP/TP must agree."""
     by_name: dict[str, dict[int, list[tuple[int | None, torch.Tensor]]]] = {}
     for result in per_rank:
         for name, (tp_rank, dim, grad) in result["grads"][step].items():
@@ -166,18 +210,63 @@ def global_losses(per_rank: list[dict[str, Any]]) -> list[float]:
     return out
 
 
-def max_differences(reference: list[dict[str, Any]], per_rank: list[dict[str, Any]]) -> tuple[float, float]:
-    """(max |loss - reference loss|, max |grad - reference grad|) over all steps and parameters."""
-    ref_losses = global_losses(reference)
-    loss_diff = 0.0
-    for mine, ref in zip(global_losses(per_rank), ref_losses, strict=True):
-        loss_diff = max(loss_diff, abs(mine - ref))
+def max_differences(reference: dict[str, Any], per_rank: list[dict[str, Any]]) -> tuple[float, float]:
+    """(max |loss - oracle loss|, max |grad - oracle grad|) over all steps and parameters."""
+    loss_diff = max(abs(a - b) for a, b in zip(global_losses(per_rank), reference["losses"], strict=True))
     grad_diff = 0.0
-    for step in range(len(ref_losses)):
-        ref = assemble(reference, step)
+    for step, ref in enumerate(reference["grads"]):
         got = assemble(per_rank, step)
         if set(ref) != set(got):
             raise AssertionError(f"parameter sets differ: {sorted(set(ref) ^ set(got))}")
         for name in ref:
             grad_diff = max(grad_diff, (got[name] - ref[name]).abs().max().item())
     return loss_diff, grad_diff
+
+
+def run_precision(rank: int, world_size: int, cases: list[tuple[int, str]]) -> list[dict[str, Any]]:
+    """For each ``(dsp, dtype)``: the model under megatron-core's ``Float16Module`` (bf16/fp16) or bare (fp32),
+    one forward and backward on the same 2 samples; the full output and the gradients summed over DSP.
+
+    ``dsp=1`` on 2 ranks is DSP=1 x DP=2: each rank computes the whole sample, as a single process would.
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.module import Float16Module
+
+    from dsp_plugin.comm import gather
+    from dsp_plugin.megatron.config import output_shard_dim
+    from dsp_plugin.megatron.cpu import install_cuda_shim
+    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
+    from dsp_plugin.megatron.steps import build_model, loss_func
+    from dsp_plugin.topology import set_topology
+
+    install_cuda_shim()
+    data = dataset(1)
+    batch = torch.utils.data.default_collate([data[i] for i in range(GLOBAL_BATCH)])
+    out = []
+    for dsp, dtype in cases:
+        initialize_dsp_model_parallel(dsp=dsp, timeout_minutes=2)
+        try:
+            config = tiny_config(1, 1, dtype=dtype)
+            model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN, seed=SEED)
+            wrapped = Float16Module(config, model) if dtype != "fp32" else model
+            output = wrapped(batch["latents"], batch["timestep"], batch["text"])
+            loss, _ = loss_func(batch["target"], config.num_layers, config, output)
+            loss.backward()
+            group = ps.get_context_parallel_group()
+            shard = output_shard_dim(config, config.num_layers)
+            full = gather(output.detach().float(), shard, group=group,
+                          global_len=VIDEO.frames if shard == 1 else VIDEO.patches)
+            grads = {}
+            for name, p in model.named_parameters():
+                g = p.grad.float()
+                dist.all_reduce(g, group=group)  # partial sums over the DSP shards
+                grads[name] = g.numpy().copy()
+            total = loss.detach().float()
+            dist.all_reduce(total, group=group)
+            out.append({"dtype": str(output.dtype), "param_dtype": str(next(model.parameters()).dtype),
+                        "output": full.numpy().copy(), "grads": grads, "loss": total.item()})
+        finally:
+            ps.destroy_model_parallel()
+            set_topology(None)
+    return out

@@ -11,9 +11,12 @@ import torch.distributed as dist
 
 from dsp_plugin import dynamic_switch, gather, split
 from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.checks import set_check_mode
 from tests.distributed import run_distributed
 
-# (call, expected message) — all decided from arguments every rank shares
+# (call, expected message). On one process the error is raised at once; on a group it
+# is raised after the ranks' fingerprint exchange (dsp_plugin.checks), on every rank,
+# so no peer is left in a collective whatever the other ranks passed.
 CATALOGUE = [
     (lambda x: dynamic_switch(x, cur_shard=2, tgt_shard=2),
      "dynamic_switch: cur_shard=2 equals tgt_shard=2"),
@@ -39,7 +42,9 @@ def _catalogue(rank: int, n: int) -> list[str]:
                 messages.append("no error")
             except (TypeError, ValueError) as exc:
                 messages.append(str(exc))
-    assert acct.records == [], "an error path issued a collective"
+    # an error path issues at most the small fingerprint exchange, never a data collective
+    assert {r.op for r in acct.records} <= {"all_gather"}, acct.records
+    assert all(r.bytes_sent < 1024 for r in acct.records), acct.records
     return messages
 
 
@@ -50,10 +55,10 @@ def test_catalogue_raises_on_every_rank_before_any_collective(world_size: int) -
             assert expected in message, (expected, message)
 
 
-def _wrong_global_len(rank: int, n: int) -> str:
+def _wrong_global_len(rank: int, n: int, mode: str) -> str:
     # 7 frames on 2 ranks (4 + 3), but both claim global_len=6 (3 + 3): only rank 0 can
-    # tell. It raises the clear error; rank 1 enters the all-to-all alone and must fail
-    # as soon as rank 0 is gone, not hang.
+    # tell locally. The fingerprint exchange shows it to both, and both raise.
+    set_check_mode(mode)
     shard = torch.zeros(1, 4 - rank, 6)
     try:
         dynamic_switch(shard, 1, 2, global_len=6)
@@ -63,7 +68,15 @@ def _wrong_global_len(rank: int, n: int) -> str:
 
 
 def test_global_len_that_does_not_match_the_shard() -> None:
-    messages = run_distributed(_wrong_global_len, 2, final_barrier=False)
+    messages = run_distributed(_wrong_global_len, 2, "first")
+    assert messages == ["CrossRankMismatch: dynamic_switch: rank 0 holds 4 of dim 1, but global_len=6 split over "
+                        "2 ranks gives it 3 (local lengths [4, 3], expected [3, 3])"] * 2
+
+
+def test_global_len_that_does_not_match_the_shard_without_checks() -> None:
+    # DSP_CHECK=0: rank 0 raises alone; rank 1 enters the all-to-all alone and must fail
+    # as soon as rank 0 is gone, not hang.
+    messages = run_distributed(_wrong_global_len, 2, "off", final_barrier=False)
     assert messages[0] == ("ValueError: dynamic_switch: rank 0 holds 4 of dim 1, but global_len=6 "
                            "split over 2 ranks gives it 3")
     assert messages[1].startswith("RuntimeError"), messages[1]

@@ -93,13 +93,13 @@ def _forward_count(counts: dict[str, dict[str, int]], op: str) -> int:
 def test_baselines_match_single_process(world_size: int) -> None:
     heads = world_size  # Ulysses and Megatron-SP need N | heads
     even, uneven = 2 * world_size, 2 * world_size + 1
-    cases = [("ulysses", heads, even), ("megatron_sp", heads, even), ("ring", heads, even),
-             ("ring", 2, uneven)]
+    cases = [("ulysses", heads, even), ("ulysses_paper", heads, even), ("megatron_sp", heads, even),
+             ("ring", heads, even), ("ring", 2, uneven)]
     fewer = world_size // 2                                                  # N larger than the heads
-    bad = [("ulysses", fewer, even), ("megatron_sp", fewer, even),
-           ("ulysses", heads, uneven), ("megatron_sp", heads, uneven)]
+    bad = [("ulysses", fewer, even), ("ulysses_paper", fewer, even), ("megatron_sp", fewer, even),
+           ("ulysses", heads, uneven), ("ulysses_paper", heads, uneven), ("megatron_sp", heads, uneven)]
     if world_size == 4:
-        bad += [("ulysses", 6, even), ("megatron_sp", 6, even)]              # N does not divide the heads
+        bad += [("ulysses", 6, even), ("ulysses_paper", 6, even), ("megatron_sp", 6, even)]  # N does not divide
     try:
         import deepspeed  # noqa: F401  (Ulysses is DeepSpeed's own code)
     except ImportError:
@@ -120,6 +120,10 @@ def test_baselines_match_single_process(world_size: int) -> None:
         # one exit all_gather for every method; the rest is the method's own traffic
         if f"ulysses/h{heads}/T{even}" in counts:
             assert _forward_count(counts[f"ulysses/h{heads}/T{even}"], "all_to_all") == 4 * DEPTH
+        # the paper's harness: q, k, v, o around the self-attention AND the cross-attention of both blocks
+        paper = counts[f"ulysses_paper/h{heads}/T{even}"]
+        assert _forward_count(paper, "all_to_all") == 2 * (4 + 4) * DEPTH
+        assert paper["all_to_all/backward"]["count"] == 2 * (4 + 4) * DEPTH
         mega = counts[f"megatron_sp/h{heads}/T{even}"]
         assert _forward_count(mega, "reduce_scatter") == 2 * 2 * DEPTH
         assert _forward_count(mega, "all_gather") == 2 * 2 * DEPTH + 1

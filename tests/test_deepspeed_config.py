@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from dsp_plugin.deepspeed import DeepSpeedMPU, initialize, load_config, parse_dsp_config
-from dsp_plugin.deepspeed.gradients import gradient_scale
+from dsp_plugin.deepspeed_env import deepspeed_version_is_tested, require_tested_deepspeed
 from tests.distributed import WorkerError, run_distributed
 from tests.deepspeed_harness import setup_worker
 
@@ -39,12 +39,6 @@ def test_without_the_mode_key_deepspeed_is_untouched() -> None:
     assert parse_dsp_config({"sequence_parallel_size": 2, "data_parallel_size": 2}, world_size=4) is None
 
 
-def test_gradient_scale_per_stage() -> None:
-    scales = [gradient_scale(parse_dsp_config(_config(zero_optimization={"stage": s}, sequence_parallel_size=4)))
-              for s in (0, 1, 2, 3)]
-    assert scales == [1.0, 1.0, 1.0, 4.0]
-
-
 @pytest.mark.parametrize("overrides, world_size, message", [
     ({"sequence_parallel_size": 3}, 4, "world size 4 is not divisible by tp(1) * dsp(3)"),
     ({"sequence_parallel_mode": "ulysses"}, 4, "unknown 'sequence_parallel_mode' 'ulysses'; expected one of ['dsp']"),
@@ -55,6 +49,10 @@ def test_gradient_scale_per_stage() -> None:
     ({"zero_optimization": {"stage": 3, "reduce_scatter": False}}, 4, "needs zero_optimization.reduce_scatter=true"),
     ({"zero_optimization": {"stage": 5}}, 4, "stage must be 0, 1, 2 or 3, got 5"),
     ({"zero_optimization": {"stage": 3, "mics_shard_size": 2}}, 4, "mics_shard_size=2"),
+    ({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2}}, 4, "zero_hpz_partition_size=2"),
+    ({"zero_optimization": {"stage": 2, "zero_quantized_gradients": True}}, 4,
+     "zero_quantized_gradients=true is not supported with DSP"),
+    ({"tensor_parallel": {"autotp_size": 2}}, 4, "tensor_parallel.autotp_size=2 cannot be combined with DSP"),
 ])
 def test_bad_config_names_the_value(overrides: dict[str, Any], world_size: int, message: str) -> None:
     with pytest.raises(ValueError) as info:
@@ -75,6 +73,34 @@ def test_initialize_refuses_a_second_mpu_or_mesh() -> None:
         initialize(model=object(), mpu=object(), config=_config())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="Ulysses mesh"):
         initialize(model=object(), mesh_param=(2, 2), config=_config())  # type: ignore[arg-type]
+
+
+def test_without_the_key_deepspeed_is_reached_untouched() -> None:
+    """No key: nothing of ours runs, not even the shared-memory op skip; DeepSpeed's own check answers."""
+    import deepspeed.ops
+
+    from dsp_plugin.topology import get_topology
+
+    ops = deepspeed.ops.__compatible_ops__
+    sentinel, saved = object(), ops.get("deepspeed_shm_comm")
+    ops["deepspeed_shm_comm"] = sentinel
+    try:
+        with pytest.raises(AssertionError, match="deepspeed.initialize requires a model"):
+            initialize(model=None, config={"train_batch_size": 1})
+        assert ops["deepspeed_shm_comm"] is sentinel
+    finally:
+        ops["deepspeed_shm_comm"] = saved
+    assert get_topology() is None
+
+
+def test_untested_deepspeed_is_refused() -> None:
+    require_tested_deepspeed()  # the installed one (constraints.txt)
+    require_tested_deepspeed("0.19.8+cu124")
+    for version in ("0.19.7", "0.19.9", "0.20.0"):
+        with pytest.raises(RuntimeError, match=rf"DeepSpeed {version} is outside the tested range "
+                                               rf">=0\.19\.8,<0\.19\.9"):
+            require_tested_deepspeed(version)
+    assert not deepspeed_version_is_tested("0.20.0")
 
 
 def test_config_found_like_deepspeed_finds_it(tmp_path: Path) -> None:

@@ -123,9 +123,14 @@ def _measure(world_size: int, dsp: int, steps: int, mode: str = "plugin") -> dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2])
 def test_every_zero_stage_matches_single_process(world_size: int) -> None:
-    """DSP=2 (2 ranks) and DSP=2 x DP=2 (4 ranks): parameters after two SGD steps, every stage."""
+    """DSP=2 (2 ranks): STDiT parameters after two SGD steps, every stage.
+
+    DSP=2 x DP=2 is pinned for every stage against plain PyTorch by
+    ``tests/test_deepspeed_gradients.py``; ``python -m tests.test_deepspeed_convention``
+    still measures both world sizes for the table in docs/deepspeed.md.
+    """
     table = _measure(world_size, dsp=2, steps=STEPS)
     for stage, row in table.items():
         assert row["max_diff"] < TOL, (

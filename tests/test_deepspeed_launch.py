@@ -2,8 +2,12 @@
 
 ``deepspeed --num_gpus 2 launch/train_deepspeed.py --deepspeed_config ...`` on
 CPU (gloo), DSP=2, ZeRO-0, three steps: rank 0's loss curve must equal the same
-training in one process. Checks the argument plumbing (``--local_rank``,
-``--deepspeed_config``), the config key, the data loader and a clean exit.
+training in one process (fp32, 1e-5). Checks the argument plumbing
+(``--local_rank``, ``--deepspeed_config``), the config key, the data loader and
+a clean exit. Then ``NPROC=2 DSP=2 ZERO=3 PRECISION=bf16 ./launch/run_deepspeed.sh``:
+the bf16 ZeRO-3 run trains and its curve stays within ``BF16_LOSS_REL`` of the
+fp32 single-process one (AdamW, as the launch config says; the gradient scale
+itself is pinned with SGD in ``test_deepspeed_gradients.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAMPLES, FRAMES, SIZE = 3, 16, 4, 4
+BF16_LOSS_REL = 1e-2     # per step, relative to the fp32 single-process loss
 
 
 def _train_module() -> ModuleType:
@@ -81,3 +86,20 @@ def test_deepspeed_launcher_runs_the_script_unchanged(tmp_path: Path) -> None:
     curve = json.loads(losses.read_text())
     reference = _reference(config)
     assert max(abs(a - b) for a, b in zip(curve, reference)) < 1e-5, f"{curve} vs single process {reference}"
+
+
+@pytest.mark.slow
+def test_bf16_zero3_through_run_deepspeed_sh(tmp_path: Path) -> None:
+    losses = tmp_path / "losses.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2", DSP="2", ZERO="3", PRECISION="bf16", STEPS=str(STEPS),
+               PORT=str(_free_port()), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    result = subprocess.run(
+        ["bash", "launch/run_deepspeed.sh", "--samples", str(SAMPLES), "--frames", str(FRAMES), "--size", str(SIZE),
+         "--losses_json", str(losses)],
+        check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    curve = json.loads(losses.read_text())
+    reference = _reference(json.loads((ROOT / "launch" / "ds_config_dsp.json").read_text()))
+    worst = max(abs(a - b) / abs(b) for a, b in zip(curve, reference))
+    print(f"bf16 ZeRO-3 DSP=2: {curve}; fp32 single process {reference}; worst relative difference {worst:.2e}")
+    assert len(curve) == STEPS and worst < BF16_LOSS_REL, f"bf16 ZeRO-3 {curve} vs fp32 single process {reference}"

@@ -21,7 +21,14 @@ BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4"
         "--distributed-backend", "gloo"]
 
 
-def parse(monkeypatch: pytest.MonkeyPatch, argv: list[str], world_size: int, *, validate: bool = True):
+def _with_model_arguments(parser):
+    from dsp_plugin.megatron.steps import add_model_arguments
+
+    return add_model_arguments(add_dsp_arguments(parser))
+
+
+def parse(monkeypatch: pytest.MonkeyPatch, argv: list[str], world_size: int, *, validate: bool = True,
+          provider=add_dsp_arguments):
     from megatron.training.arguments import parse_args, validate_args
 
     from dsp_plugin.megatron.cpu import cuda_shim
@@ -30,7 +37,7 @@ def parse(monkeypatch: pytest.MonkeyPatch, argv: list[str], world_size: int, *, 
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     monkeypatch.setattr(sys, "argv", ["pretrain_stdit.py", *BASE, *argv])
-    args = parse_args(extra_args_provider=add_dsp_arguments)
+    args = parse_args(extra_args_provider=provider)
     if validate:
         with cuda_shim():  # validate_args asks for the GPU architecture
             validate_args(args, {})
@@ -55,11 +62,45 @@ def test_mode_none_leaves_megatron_untouched(monkeypatch: pytest.MonkeyPatch) ->
     assert (args.sequence_parallel_mode, args.dsp_size, args.context_parallel_size) == ("none", 1, 2)
 
 
-@pytest.mark.parametrize("mode", [[], ["--sequence-parallel-mode", "dsp", "--dsp-size", "2"]])
-def test_megatron_sequence_parallel_keeps_working(monkeypatch: pytest.MonkeyPatch, mode: list[str]) -> None:
-    args = parse(monkeypatch, ["--sequence-parallel", "--tensor-model-parallel-size", "2", *mode], world_size=4)
-    assert args.sequence_parallel is True
-    assert args.dsp_size == (2 if mode else 1)
+def test_megatron_sequence_parallel_keeps_working_without_dsp(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = parse(monkeypatch, ["--sequence-parallel", "--tensor-model-parallel-size", "2"], world_size=4)
+    assert args.sequence_parallel is True and args.dsp_size == 1
+
+
+GEOMETRY = ["--num-frames", "6", "--latent-height", "2", "--latent-width", "3", "--text-len", "4"]
+
+
+@pytest.mark.parametrize(("argv", "world_size", "message"), [
+    (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--dsp-size", "2"], 4,
+     "--sequence-parallel-mode dsp does not support --sequence-parallel"),
+    (["--position-embedding-type", "rope", "--dsp-size", "2"], 2,
+     "does not support --position-embedding-type rope"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp", "--dsp-size", "2"], 2,
+     "--recompute-modules ['core_attn', 'mlp'] is not supported"),
+    (["--transformer-impl", "transformer_engine", "--dsp-size", "8", "--seq-length", "48"], 8,
+     "dsp size (8) exceeds the frames (6) or patches (6) of a sample: some ranks would hold empty shards"),
+    (["--fp8-format", "hybrid", "--dsp-size", "4", "--micro-batch-size", "1", "--seq-length", "48"], 4,
+     "FP8 needs every GEMM's rows divisible by 16 on every DSP rank (dsp size 4): spatial layers (6 patches x"),
+])
+def test_unsupported_options_and_shapes_fail_while_parsing(monkeypatch: pytest.MonkeyPatch, argv: list[str],
+                                                           world_size: int, message: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse(monkeypatch, ["--sequence-parallel-mode", "dsp", *GEOMETRY, *argv], world_size, validate=False,
+              provider=_with_model_arguments)
+    assert message in str(info.value)
+
+
+def test_dsp_mode_installs_the_model_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under dsp mode, megatron.training's get_model refuses a model without DSP layers."""
+    from megatron.training import training
+    from torch import nn
+
+    from dsp_plugin.megatron.tokens import require_dsp_layers
+
+    parse(monkeypatch, ["--sequence-parallel-mode", "dsp", "--dsp-size", "2"], world_size=2, validate=False)
+    assert getattr(training.get_model, "_dsp_checked", False)
+    with pytest.raises(ValueError, match="has no DSPSpatialTemporalLayer, so the DSP group would only act as"):
+        require_dsp_layers(nn.Sequential(nn.Linear(2, 2)))
 
 
 @pytest.mark.parametrize(("argv", "world_size", "message"), [
@@ -112,3 +153,12 @@ def test_parse_and_validate_args_end_to_end(monkeypatch: pytest.MonkeyPatch) -> 
         assert (args.dsp_size, args.context_parallel_size, args.data_parallel_size) == (4, 4, 1)
     finally:
         destroy_global_vars()
+
+
+def test_documented_fp8_line_passes_the_shape_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/composition.md: IMPL=transformer_engine FP8=hybrid NPROC=8 DSP=4 FRAMES=16 HEIGHT=8 WIDTH=8 TEXT_LEN=16."""
+    args = parse(monkeypatch, ["--sequence-parallel-mode", "dsp", "--dsp-size", "4", "--fp8-format", "hybrid",
+                               "--transformer-impl", "transformer_engine", "--num-frames", "16", "--latent-height",
+                               "8", "--latent-width", "8", "--text-len", "16", "--seq-length", "1024"],
+                 world_size=8, validate=False, provider=_with_model_arguments)
+    assert (args.dsp_size, args.context_parallel_size) == (4, 4)

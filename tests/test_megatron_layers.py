@@ -24,7 +24,7 @@ from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 from dsp_plugin.megatron.cpu import cuda_shim  # noqa: E402
-from dsp_plugin.megatron.layers import SDPACoreAttention, te_available, te_layer_spec  # noqa: E402
+from dsp_plugin.megatron.layers import SDPACoreAttention, dsp_layer_spec, te_available  # noqa: E402
 
 needs_te = pytest.mark.skipif(not (torch.cuda.is_available() and te_available()),
                               reason="Transformer Engine needs CUDA; this machine has none")
@@ -86,7 +86,12 @@ def test_cuda_shim_maps_cuda_to_cpu_and_restores() -> None:
 @pytest.mark.skipif(te_available(), reason="checks the message when Transformer Engine is missing")
 def test_te_spec_without_te_says_why() -> None:
     with pytest.raises(RuntimeError, match="transformer_engine is not importable"):
-        te_layer_spec()
+        dsp_layer_spec("transformer_engine")
+
+
+def test_unknown_transformer_impl_is_named() -> None:
+    with pytest.raises(ValueError, match="transformer_impl='apex'; expected 'local' or 'transformer_engine'"):
+        dsp_layer_spec("apex")
 
 
 def test_prebuilt_dataset_helpers_hook(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,29 +117,30 @@ def test_prebuilt_dataset_helpers_hook(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.gpu
 @needs_te
 @pytest.mark.parametrize("fp8", [None, "hybrid"])
-def test_te_layer_bf16_and_fp8(one_rank: None, fp8: str | None) -> None:
-    """TE spec at world size 1: forward/backward run, finite, and the throughput is printed."""
-    from megatron.core.transformer.spec_utils import build_module
+def test_te_dsp_block_bf16_and_fp8(one_rank: None, fp8: str | None) -> None:
+    """TE version of the DSP layer in a stock TransformerBlock at world size 1 (FP8 contexts are the
+    block's own): forward/backward run, finite, and the throughput is printed."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from dsp_plugin.megatron.layers import quantization_context
+    from dsp_plugin.megatron.config import DSPTransformerConfig
 
     if fp8 and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs sm_89 or newer")
-    config = _config(hidden_size=1024, num_attention_heads=16, bf16=True, params_dtype=torch.bfloat16,
-                     use_cpu_initialization=False, fp8=fp8)
-    layer = build_module(te_layer_spec(), config=config, layer_number=1).cuda()
-    x = torch.randn(256, 64, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    config = DSPTransformerConfig(num_layers=2, hidden_size=1024, num_attention_heads=16, bf16=True,
+                                  params_dtype=torch.bfloat16, fp8=fp8, hidden_dropout=0.0, attention_dropout=0.0,
+                                  dsp_frames=16, dsp_patches=64)
+    block = TransformerBlock(config, dsp_layer_spec("transformer_engine"), post_layer_norm=False).cuda()
+    x = torch.randn(16 * 64, 4, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cond = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+    text = torch.randn(16, 4, 1024, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):
-        with quantization_context(config):
-            out, _ = layer(x, attention_mask=None)
-        out.float().pow(2).mean().backward()
+        block(hidden_states=x, attention_mask=cond, context=text).float().pow(2).mean().backward()
     torch.cuda.synchronize()
     start, iters = time.time(), 10
     for _ in range(iters):
-        with quantization_context(config):
-            out, _ = layer(x, attention_mask=None)
+        out = block(hidden_states=x, attention_mask=cond, context=text)
         out.float().pow(2).mean().backward()
     torch.cuda.synchronize()
     tokens_per_s = iters * x.shape[0] * x.shape[1] / (time.time() - start)
-    print(f"\nTE layer {fp8 or 'bf16'}: {tokens_per_s:,.0f} tokens/s (fwd+bwd, hidden 1024, 16 heads)")
+    print(f"\nTE DSP block {fp8 or 'bf16'}: {tokens_per_s:,.0f} tokens/s (fwd+bwd, 2 layers, hidden 1024)")
     assert torch.isfinite(out.float()).all() and torch.isfinite(x.grad.float()).all()

@@ -78,6 +78,8 @@ def test_primitives_bit_exact(world_size: int) -> None:
 def _collective_counts(rank: int, n: int) -> dict[str, object]:
     shape = (2, 7, 13, 4)
     shard = _chunk(_full(shape, 0), 1, n, rank).contiguous().requires_grad_(True)
+    with CommAccounting() as first:       # a new signature: the ranks agree first (dsp_plugin.checks)
+        dynamic_switch(shard.detach(), 1, 2, global_len=7)
     with CommAccounting() as acct:
         out = dynamic_switch(shard, 1, 2, global_len=7)
         out.sum().backward()
@@ -87,6 +89,7 @@ def _collective_counts(rank: int, n: int) -> dict[str, object]:
     dist.barrier()
     return {
         "after": total.item(),
+        "first": [r.op for r in first.records],
         "records": [(r.op, r.phase) for r in acct.records],
         "sent": acct.bytes_sent("all_to_all", "forward"),
         "received": acct.bytes_received("all_to_all", "forward"),
@@ -100,6 +103,7 @@ def test_switch_is_one_all_to_all_each_way() -> None:
     t_sizes = [2, 2, 2, 1]    # tensor_split(7, 4)
     s_sizes = [4, 3, 3, 3]    # tensor_split(13, 4)
     for rank, res in enumerate(results):
+        assert res["first"] == ["all_gather", "all_to_all"]   # the fingerprint exchange, then the switch
         assert res["records"] == [("all_to_all", "forward"), ("all_to_all", "backward")]
         assert res["after"] == n
         # rank sends its T-chunk of every other rank's S-chunk

@@ -8,6 +8,14 @@ is a reduce-scatter and the reverse. Megatron's own functions cannot be reused
 here: they allocate on ``torch.cuda.current_device()`` and bind
 ``all_gather_into_tensor`` at import.
 
+``paper_all_to_all`` is the all-to-all of the paper's harness (OpenDiT
+``opendit/core/comm.py`` ``_all_to_all_func``): ``tensor_split`` along the
+scatter dim, each chunk made contiguous (copy 1), exchanged, and the received
+chunks ``torch.cat`` along the gather dim (copy 2). The harness calls the list
+form ``dist.all_to_all``, which gloo lacks, so here the contiguous chunks are
+written into one send buffer (still one copy of the input) for
+``all_to_all_single``: the same bytes and the same two copies.
+
 The ring hop for ring attention uses point-to-point send/recv through
 ``batch_isend_irecv`` (what ring-flash-attention does); gloo runs it on CPU.
 """
@@ -19,7 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_along", "all_reduce_sum", "bare_all_to_all", "reduce_scatter_along", "ring_shift"]
+__all__ = ["all_gather_along", "all_reduce_sum", "bare_all_to_all", "paper_all_to_all", "reduce_scatter_along",
+           "ring_shift"]
 
 
 def _gather(x: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
@@ -124,3 +133,43 @@ def bare_all_to_all(buffer: torch.Tensor, *, group: dist.ProcessGroup) -> torch.
     out = torch.empty_like(buffer)
     dist.all_to_all_single(out, buffer, group=group)
     return out
+
+
+def _paper_exchange(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: dist.ProcessGroup) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    chunks = torch.tensor_split(x, n, scatter_dim)
+    shape = chunks[0].shape
+    send = x.new_empty((n, *shape))
+    for i, chunk in enumerate(chunks):          # copy 1: tensor_split -> .contiguous()
+        send[i].copy_(chunk)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    return torch.cat(list(recv.unbind(0)), dim=gather_dim)   # copy 2: torch.cat
+
+
+class _PaperAllToAll(torch.autograd.Function):
+    """Forward: scatter ``scatter_dim``, gather ``gather_dim``; backward: the same with the dims swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scatter_dim: int, gather_dim: int,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return _paper_exchange(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        scatter_dim, gather_dim = ctx.dims
+        return _paper_exchange(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def paper_all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, *,
+                     group: dist.ProcessGroup) -> torch.Tensor:
+    """The harness's all-to-all: ``x`` split in N equal parts along ``scatter_dim``, part i to rank i,
+    the received parts concatenated along ``gather_dim`` in rank order. Autograd-aware."""
+    n = dist.get_world_size(group)
+    if n == 1:
+        return x
+    if x.shape[scatter_dim] % n:
+        raise ValueError(f"paper_all_to_all: dim {scatter_dim} has length {x.shape[scatter_dim]}, "
+                         f"not divisible by the group size {n}")
+    return _PaperAllToAll.apply(x, scatter_dim, gather_dim, group)

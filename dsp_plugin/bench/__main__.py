@@ -1,8 +1,9 @@
-"""``python -m dsp_plugin.bench``: DSP, Ulysses, Megatron-SP and Ring on N CPU ranks, plus the scale model.
+"""``python -m dsp_plugin.bench``: DSP and four baselines on N CPU ranks, plus the scale model.
 
-    python -m dsp_plugin.bench                  # N=4, full size
+    python -m dsp_plugin.bench                  # N=4, full size, checkpointing off and on
     python -m dsp_plugin.bench --quick --nproc 2
     python -m dsp_plugin.bench --scale-only     # only the 128-H100 predictions
+    python -m dsp_plugin.bench --scale-only --calibration measured.json
 
 Writes ``bench_n{N}.json``, ``bench_n{N}.md``, ``bench_n{N}.png`` and
 ``scale_model.png`` under ``--out`` (default ``bench_out/``). Progress goes to
@@ -18,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from dsp_plugin.bench import report, scale_report
+from dsp_plugin.bench import calibration, report, scale_markdown, scale_report
 from dsp_plugin.spawn import spawn
 from dsp_plugin.bench.config import FULL, METHODS, QUICK
 
@@ -33,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (at least 10)")
     parser.add_argument("--scale-only", action="store_true", help="print the scale model and exit")
+    parser.add_argument("--calibration", type=Path, default=None,
+                        help=f"JSON of measured figures for the scale model (default: ${calibration.ENV}, "
+                             f"else ./{calibration.DEFAULT_FILE} when present)")
     args = parser.parse_args(argv)
     methods = tuple(m for m in args.methods.split(",") if m)
     unknown = [m for m in methods if m not in METHODS]
@@ -47,8 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    scale_md = scale_report.markdown()
-    report.plot_scale(args.out / "scale_model.png")
+    hw, calibration_rows = calibration.load(args.calibration)
+    scale_md = scale_markdown.markdown(hw, calibration_rows)
+    report.plot_scale(args.out / "scale_model.png", hw)
     (args.out / "scale_model.md").write_text(scale_md + "\n")
     if args.scale_only:
         print(scale_md)
@@ -65,10 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = report.summarize(per_rank, cfg, args.nproc)
     summary["wall_s"] = time.perf_counter() - start
     summary["scale_model"] = [
-        {"model": r["model"], "tokens": r["tokens"], "method": r["method"], "sp": r["sp"], "dp": r["dp"],
-         "step_s": r["pred"].step_s if r["pred"] is not None and r["pred"].feasible else None,
-         "note": r["note"]}
-        for r in scale_report.e2e_rows()]
+        {"model": r["model"], "tokens": r["tokens"], "method": m, "size": r["sizes"][m],
+         "step_s": p.step_s if p is not None and p.feasible else None, "over_dsp": r["over_dsp"][m]}
+        for r in scale_report.e2e_rows(hw) for m, p in r["preds"].items()]
 
     stem = args.out / f"bench_n{args.nproc}"
     table = report.markdown(summary)

@@ -1,19 +1,25 @@
 """What each bench rank does: every method on the same model and input, measured the same way.
 
-Per method, on every rank:
+The model is the reference STDiT with adaLN and cross-attention to a text
+embedding. Every method runs twice: plain, and with full-block activation
+checkpointing (each block wrapped in ``torch.utils.checkpoint``, the switch or
+the baseline's collectives inside it, as the paper's ``--grad_checkpoint`` did),
+labelled ``<method>`` and ``<method>+ckpt``. Per label, on every rank:
 
 1. one accounted step (forward + backward under ``CommAccounting``): the
    collectives issued between the first block's entry and the last block's exit
    (forward) and between the gradient reaching the last block's output and
-   leaving the first block's input (backward) are the per-layer traffic, divided
-   by the number of layers; the model's entry split and exit gather are left out,
-   as in paper Table 3. Saved-activation bytes come from the same step;
+   leaving the first block's input (backward, which includes the recomputed
+   forward under checkpointing) are the per-layer traffic, divided by the number
+   of layers; the model's entry split and exit gather are left out, as in paper
+   Table 3. Saved-activation bytes come from the same step;
 2. the output compared with the single-process model (a sanity column);
 3. warm-up steps, with the peak RSS reset before and read after;
-4. once every method is built, the timed steps (zero_grad + forward + backward;
-   no optimizer and no gradient reduction, which are the same for every
-   method), interleaved across methods in rotating order, so that load drift
-   on a shared machine hits every method alike.
+4. once every label is built, the timed rounds: each round runs one step
+   (zero_grad + forward + backward; no optimizer, no gradient reduction, the
+   same for every method) of every label, in rotating order, so load drift on a
+   shared machine hits every method alike and each round gives one paired
+   time ratio per method.
 
 Then a micro-benchmark: one ``dynamic_switch`` of the bench's activation
 against one bare ``all_to_all_single`` of the same bytes.
@@ -67,8 +73,28 @@ def build_model(cfg: BenchConfig) -> nn.Module:
     from dsp_plugin.models import STDiT, STDiTConfig
 
     torch.manual_seed(0)
-    # no cross-attention: the paper's 2D-Transformer (appendix A.1)
-    return STDiT(STDiTConfig(depth=cfg.depth, hidden_size=cfg.hidden, num_heads=cfg.heads, text_dim=None))
+    # adaLN + cross-attention to text: the block the paper's harness trained (OpenSora's STDiT)
+    return STDiT(STDiTConfig(depth=cfg.depth, hidden_size=cfg.hidden, num_heads=cfg.heads, text_dim=cfg.text_dim))
+
+
+class _Checkpointed(nn.Module):
+    """One block under full activation checkpointing; the block's own hooks (DSP's switch) run inside."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, *args, use_reentrant=False)
+
+
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Wrap every block of an already parallelized model (so its hooks and replaced modules are inside)."""
+    for i, block in enumerate(model.blocks):
+        model.blocks[i] = _Checkpointed(block)
+    return model
 
 
 def parallelize(method: str, model: nn.Module) -> nn.Module:
@@ -121,38 +147,51 @@ class _LayerWindow:
             h.remove()
 
 
-def _inputs(cfg: BenchConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def _inputs(cfg: BenchConfig) -> Inputs:
+    """Latents, timesteps, text embedding and the loss weight (the same on every rank)."""
     g = torch.Generator().manual_seed(1)
     latents = torch.randn(cfg.batch, 4, cfg.frames, cfg.height, cfg.width, generator=g)
+    text = torch.randn(cfg.batch, cfg.text_len, cfg.text_dim, generator=g)
     weight = torch.randn(latents.shape, generator=g)
-    return latents, torch.arange(cfg.batch, dtype=torch.float32) * 7.0, weight
+    return latents, torch.arange(cfg.batch, dtype=torch.float32) * 7.0, text, weight
 
 
-def _train_step(model: nn.Module, latents: torch.Tensor, timestep: torch.Tensor, weight: torch.Tensor) -> None:
+def _train_step(model: nn.Module, inputs: Inputs) -> None:
+    latents, timestep, text, weight = inputs
     model.zero_grad(set_to_none=True)
-    (model(latents, timestep) * weight).sum().backward()
+    (model(latents, timestep, text) * weight).sum().backward()
 
 
-def measure_method(method: str, cfg: BenchConfig, rank: int) -> tuple[nn.Module, dict[str, Any]]:
-    """Phase 1 for one method: traffic, saved activations, error, peak RSS. Returns the model for phase 2."""
+def label(method: str, ckpt: bool) -> str:
+    return f"{method}+ckpt" if ckpt else method
+
+
+def measure_method(method: str, ckpt: bool, cfg: BenchConfig, rank: int) -> tuple[nn.Module, dict[str, Any]]:
+    """Phase 1 for one label: traffic, saved activations, error, peak RSS. Returns the model for phase 2."""
     reference = build_model(cfg)
     model = parallelize(method, copy.deepcopy(reference))
-    latents, timestep, weight = _inputs(cfg)
+    if ckpt:
+        checkpoint_blocks(model)
+    inputs = _inputs(cfg)
+    latents, timestep, text, weight = inputs
 
-    progress(rank, f"{method}: accounted step, {cfg.warmup} warm-up steps")
+    progress(rank, f"{label(method, ckpt)}: accounted step, {cfg.warmup} warm-up steps")
     with CommAccounting() as acct:
         window = _LayerWindow(model, acct)
         x = latents.clone().requires_grad_()
-        out = model(x, timestep)
+        out = model(x, timestep, text)
         (out * weight).sum().backward()
     window.remove()
     with torch.no_grad():
-        max_err = (out.detach() - reference(latents, timestep)).abs().max().item()
+        max_err = (out.detach() - reference(latents, timestep, text)).abs().max().item()
     del out, x, reference
     _peak_rss_reset()
     for _ in range(cfg.warmup):
-        _train_step(model, latents, timestep, weight)
-    return model, {
+        _train_step(model, inputs)
+    return model, {"method": method, "checkpointing": ckpt,
         "fwd_bytes_per_layer": window.bytes_sent("fwd") / cfg.depth,
         "bwd_bytes_per_layer": window.bytes_sent("bwd") / cfg.depth,
         "fwd_ops": window.ops("fwd"),
@@ -163,21 +202,29 @@ def measure_method(method: str, cfg: BenchConfig, rank: int) -> tuple[nn.Module,
     }
 
 
-def time_methods(models: dict[str, nn.Module], cfg: BenchConfig, rank: int) -> dict[str, list[float]]:
-    """Phase 2: timed steps, interleaved across methods (rotating order), so load drift on a
-    shared machine hits every method alike instead of whichever ran last."""
-    latents, timestep, weight = _inputs(cfg)
+def time_methods(models: dict[str, nn.Module], cfg: BenchConfig,
+                 rank: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Phase 2: timed rounds, each running every label once in rotating order, so load drift on a
+    shared machine hits every method alike instead of whichever ran last.
+
+    Returns wall seconds and this process's CPU seconds (user + system, so gloo's socket copies
+    count) per step: on a shared machine the CPU time leaves out the time other jobs held the
+    core, which the wall time cannot.
+    """
+    inputs = _inputs(cfg)
     names = list(models)
     times: dict[str, list[float]] = {m: [] for m in names}
+    cpu: dict[str, list[float]] = {m: [] for m in names}
     for step in range(cfg.steps):
-        if step % 5 == 0:
-            progress(rank, f"timed steps {step + 1}-{min(step + 5, cfg.steps)} of {cfg.steps}, "
-                           f"interleaved over {', '.join(names)}")
-        for method in names[step % len(names):] + names[:step % len(names)]:
-            start = time.perf_counter()
-            _train_step(models[method], latents, timestep, weight)
-            times[method].append(time.perf_counter() - start)
-    return times
+        if step % 3 == 0:
+            progress(rank, f"timed rounds {step + 1}-{min(step + 3, cfg.steps)} of {cfg.steps}, "
+                           f"each over {len(names)} labels")
+        for name in names[step % len(names):] + names[:step % len(names)]:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            _train_step(models[name], inputs)
+            times[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return times, cpu
 
 
 def micro_benchmark(cfg: BenchConfig, rank: int, n: int) -> dict[str, Any]:
@@ -209,13 +256,17 @@ def worker(rank: int, world_size: int, cfg: BenchConfig, methods: tuple[str, ...
     """Entry point of one bench rank; returns this rank's raw numbers."""
     out: dict[str, Any] = {"methods": {}}
     models: dict[str, nn.Module] = {}
-    for i, method in enumerate(methods):
-        progress(rank, f"[{i + 1}/{len(methods)}] {method}")
+    runs = [(m, c) for c in cfg.checkpointing for m in methods]
+    for i, (method, ckpt) in enumerate(runs):
+        name = label(method, ckpt)
+        progress(rank, f"[{i + 1}/{len(runs)}] {name}")
         try:
-            models[method], out["methods"][method] = measure_method(method, cfg, rank)
+            models[name], out["methods"][name] = measure_method(method, ckpt, cfg, rank)
         except (ValueError, ImportError) as exc:  # head limit, DeepSpeed missing: reported, not fatal
-            out["methods"][method] = {"error": str(exc)}
-    for method, times in time_methods(models, cfg, rank).items():
-        out["methods"][method]["step_times_s"] = times
+            out["methods"][name] = {"error": str(exc), "method": method, "checkpointing": ckpt}
+    wall, cpu = time_methods(models, cfg, rank)
+    for name in wall:
+        out["methods"][name]["step_times_s"] = wall[name]
+        out["methods"][name]["cpu_times_s"] = cpu[name]
     out["micro"] = micro_benchmark(cfg, rank, world_size)
     return out

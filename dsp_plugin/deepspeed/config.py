@@ -93,6 +93,16 @@ def parse_dsp_config(config: Mapping[str, Any], *, world_size: int | None = None
         raise ValueError(f"DeepSpeed config: zero_optimization mics_shard_size={mics!r} / "
                          f"zero_hpz_partition_size={hpz!r} are not supported with DSP (their reduction "
                          f"groups are not measured); remove them")
+    if zero.get("zero_quantized_gradients", False):
+        # ZeRO++ qgZ reduces gradients with its own all-to-all over the whole world and
+        # its own divisor; neither follows the DP x DSP convention, and it is untested here.
+        raise ValueError("DeepSpeed config: zero_optimization.zero_quantized_gradients=true is not supported with "
+                         "DSP (its quantized reduction bypasses the DP x DSP gradient convention); remove it")
+    tensor_parallel = config.get("tensor_parallel") or {}
+    autotp = tensor_parallel.get("autotp_size", 0) if isinstance(tensor_parallel, Mapping) else tensor_parallel
+    if autotp not in (0, 1, None):
+        raise ValueError(f"DeepSpeed config: tensor_parallel.autotp_size={autotp!r} cannot be combined with DSP in "
+                         f"the DeepSpeed integration (tp = pp = 1 here); use the Megatron integration for TP x DSP")
     if world_size is not None:
         try:
             validate_sizes(world_size, dsp=size)

@@ -1,25 +1,34 @@
 """``initialize``: ``deepspeed.initialize`` with the same signature and return value, plus DSP.
 
-A training script changes one line::
+Moving a DeepSpeed script to DSP takes three changes (docs/deepspeed.md):
 
-    engine, optimizer, loader, scheduler = dsp_plugin.deepspeed.initialize(args=args, model=model, ...)
+1. the config key: ``"sequence_parallel_mode": "dsp"`` next to ``"sequence_parallel_size": N``;
+2. ``from dsp_plugin.deepspeed import initialize`` in place of ``deepspeed.initialize``;
+3. a DSP-aware model: its forward must shard the sequence with ``split`` /
+   ``dynamic_switch`` / ``gather`` (``dsp_plugin.models.parallelize`` does it for
+   STDiT-style models; other models call the primitives themselves). A model
+   that does not is caught at its first forward (``guard.py``).
 
-When the config carries ``"sequence_parallel_mode": "dsp"`` it, in order:
+With the key, ``initialize``, in order:
 
-1. checks the config on every rank before any collective (``config.parse_dsp_config``);
+1. checks the config, the DeepSpeed version and the model on every rank before any
+   collective (``config.parse_dsp_config``; pipeline models, quantized gradients and
+   TP are refused);
 2. initialises torch.distributed through DeepSpeed, skipping the CPU shared-memory
    op that only inference uses (``skip_cpu_shm_build``);
 3. builds ``Topology(tp=1, dsp=sequence_parallel_size)`` and installs it, so the
    primitives' ``group=None`` is the DSP group;
-4. for ZeRO-3, partitions the parameters over DP x DSP and registers the
-   gradient scale that makes every stage sum over DSP and average over DP
-   (``gradients.py``);
-5. calls ``deepspeed.initialize`` with a ``DeepSpeedMPU`` so ZeRO partitions and
+4. for ZeRO-3, casts the parameters to the configured precision and partitions them
+   over DP x DSP, and registers the gradient scale that makes every stage sum over
+   DSP and average over DP (``gradients.py``);
+5. installs the first-forward guard (``guard.py``);
+6. calls ``deepspeed.initialize`` with a ``DeepSpeedMPU`` so ZeRO partitions and
    reduces over DP x DSP and the batch arithmetic counts DP only;
-6. returns ``training_data`` wrapped in ``dsp_dataloader`` (identical batches
+7. returns ``training_data`` wrapped in ``dsp_dataloader`` (identical batches
    inside a DSP group, different across DP) instead of DeepSpeed's loader.
 
-Without the key every argument goes to ``deepspeed.initialize`` untouched.
+Without the key every argument goes to ``deepspeed.initialize`` untouched and
+nothing of DeepSpeed's is changed before it.
 """
 
 from __future__ import annotations
@@ -35,8 +44,9 @@ import torch.distributed as dist
 from dsp_plugin.data import dsp_dataloader
 from dsp_plugin.deepspeed.config import DSPSettings, parse_dsp_config
 from dsp_plugin.deepspeed.gradients import gradient_scale, install_gradient_scale, partition_for_zero3
+from dsp_plugin.deepspeed.guard import install_guard
 from dsp_plugin.deepspeed.mpu import DeepSpeedMPU
-from dsp_plugin.deepspeed_env import skip_cpu_shm_build
+from dsp_plugin.deepspeed_env import require_tested_deepspeed, skip_cpu_shm_build
 from dsp_plugin.topology import Topology, set_topology
 
 __all__ = ["initialize", "load_config", "skip_cpu_shm_build"]
@@ -78,10 +88,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                    "lr_scheduler": lr_scheduler, "distributed_port": distributed_port,
                    "dist_init_required": dist_init_required, "collate_fn": collate_fn, "config": config,
                    "config_params": config_params}
-    skip_cpu_shm_build()
     settings = parse_dsp_config(load_config(args, config, config_params), world_size=_known_world_size())
     if settings is None:
         return deepspeed.initialize(training_data=training_data, mpu=mpu, mesh_param=mesh_param, **passthrough)
+    require_tested_deepspeed()
+    _refuse_pipeline(model)
     if mpu is not None:
         raise ValueError("dsp_plugin.deepspeed.initialize: 'sequence_parallel_mode': 'dsp' supplies its own "
                          "mpu; do not pass mpu= as well")
@@ -89,6 +100,17 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         raise ValueError(f"dsp_plugin.deepspeed.initialize: 'sequence_parallel_mode': 'dsp' cannot be combined "
                          f"with DeepSpeed's Ulysses mesh (mesh_param={mesh_param!r})")
     return _initialize_dsp(settings, training_data=training_data, **passthrough)
+
+
+def _refuse_pipeline(model: Any) -> None:
+    """A ``PipelineModule`` would get DeepSpeed's pipeline engine, which DSP does not drive (pp = 1 here)."""
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise ValueError("dsp_plugin.deepspeed.initialize: 'sequence_parallel_mode': 'dsp' does not support "
+                         "DeepSpeed's pipeline engine (got a deepspeed.pipe.PipelineModule; tp = pp = 1 in the "
+                         "DeepSpeed integration); pass a plain torch.nn.Module, or use the Megatron integration "
+                         "for PP x DSP")
 
 
 def _initialize_dsp(settings: DSPSettings, *, training_data: Any, scale: float | None = None,
@@ -105,6 +127,7 @@ def _initialize_dsp(settings: DSPSettings, *, training_data: Any, scale: float |
     created = not dist.is_initialized()
     from deepspeed.accelerator import get_accelerator
 
+    skip_cpu_shm_build()
     deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                     distributed_port=kwargs["distributed_port"],
                                     dist_init_required=kwargs["dist_init_required"])
@@ -118,6 +141,7 @@ def _initialize_dsp(settings: DSPSettings, *, training_data: Any, scale: float |
     if settings.zero_stage == 3 and zero3_partition:
         partition_for_zero3(kwargs["model"], topology, config, mpu)
     install_gradient_scale(kwargs["model"], gradient_scale(settings) if scale is None else scale)
+    install_guard(kwargs["model"], topology, device=get_accelerator().current_device_name())
     engine, optimizer, _, scheduler = deepspeed.initialize(training_data=None, mpu=mpu, **kwargs)
     loader = None
     if training_data is not None:

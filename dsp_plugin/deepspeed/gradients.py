@@ -41,7 +41,7 @@ from dsp_plugin.deepspeed.config import DSPSettings
 if TYPE_CHECKING:
     from dsp_plugin.topology import Topology
 
-__all__ = ["gradient_scale", "install_gradient_scale", "partition_for_zero3"]
+__all__ = ["cast_parameters", "gradient_scale", "install_gradient_scale", "param_dtype", "partition_for_zero3"]
 
 
 def gradient_scale(settings: DSPSettings) -> float:
@@ -86,11 +86,48 @@ def partition_for_zero3(module: torch.nn.Module, topology: Topology, config: dic
     from deepspeed.runtime.zero.partition_parameters import is_zero_param
 
     expected = dist.get_world_size(topology.dp_dsp_group)
+    dtype = param_dtype(config)
     for name, param in module.named_parameters():
-        if is_zero_param(param) and dist.get_world_size(param.ds_process_group) != expected:
+        if not is_zero_param(param):
+            continue
+        if dist.get_world_size(param.ds_process_group) != expected:
             raise ValueError(f"ZeRO-3 with DSP: parameter {name!r} is partitioned over "
                              f"{dist.get_world_size(param.ds_process_group)} ranks; expected DP x DSP = {expected} "
                              f"(build the model under deepspeed.zero.Init() without data_parallel_group)")
+        if dtype is not None and param.is_floating_point() and param.dtype != dtype:
+            raise ValueError(f"ZeRO-3 with DSP: parameter {name!r} was built under zero.Init as {param.dtype}, but "
+                             f"the config trains in {dtype} (DeepSpeed does not cast zero.Init models); build it "
+                             f"under deepspeed.zero.Init(config_dict_or_path=config) with the same config")
     if not all(is_zero_param(p) for p in module.parameters()):
+        cast_parameters(module, dtype)
         deepspeed.zero.Init(module=module, data_parallel_group=topology.dp_dsp_group, config_dict_or_path=config,
                             mpu=mpu)
+
+
+def param_dtype(config: dict[str, Any]) -> torch.dtype | None:
+    """The dtype DeepSpeed trains the module's parameters in: fp16, bf16, or None (fp32), read by its own parsers."""
+    from deepspeed.runtime.precision_config import get_bfloat16_config, get_float16_config
+
+    if get_float16_config(config).enabled:
+        return torch.half
+    if get_bfloat16_config(config).enabled:
+        return torch.bfloat16
+    return None
+
+
+def cast_parameters(module: torch.nn.Module, dtype: torch.dtype | None) -> None:
+    """Cast floating-point parameters to ``dtype`` (buffers untouched), as ``deepspeed.initialize`` does.
+
+    DeepSpeed casts a plain module's parameters in ``_configure_distributed_model``
+    but skips that cast for a module already converted by ``zero.Init``, trusting
+    ``zero.Init``'s tensor-constructor override to have built them in the
+    configured dtype. ``zero.Init(module=...)`` converts an existing module
+    without that override, so without this cast a bf16/fp16 ZeRO-3 run keeps
+    fp32 parameters and the first half-precision input fails. Buffers are left
+    to the engine, which treats them the same for both kinds of module.
+    """
+    if dtype is None:
+        return
+    for param in module.parameters():
+        if param.is_floating_point() and param.dtype != dtype:
+            param.data = param.data.to(dtype)

@@ -2,9 +2,13 @@
 
 - ``arguments``: the flag and ``--dsp-size`` through ``extra_args_provider``, validated at parse time.
 - ``groups``: DSP in parallel_state's context-parallel slot; a ``Topology`` over Megatron's groups.
-- ``layers``: ModuleSpecs (local for CPU, Transformer Engine + FP8 for GPU) of megatron-core
-  ``TransformerLayer``s with bidirectional, local attention.
-- ``model``: the spatial-temporal model, switches between stages, sharded pipeline activations.
+- ``config``: ``DSPTransformerConfig`` (video geometry, attend pattern) and the shard rules.
+- ``dsp_layer``: ``DSPSpatialTemporalLayer``, a ``TransformerLayer`` that switches the shard
+  itself; ``layers.dsp_layer_spec`` builds it (local for CPU, Transformer Engine for GPU).
+- ``tokens``: entry/exit helpers and checks for a user's own model.
+- ``model``: the video DiT: embeddings, a stock ``TransformerBlock`` of DSP layers, the head.
+- ``recompute``: full recompute without replaying the switch.
+- ``weights``: load the plain-torch reference's weights (the oracle); ``flops``: its FLOPs.
 - ``steps``: dataset, model provider, forward step and loss for ``megatron.training``.
 - ``cpu``: the CUDA shim and train step that run the same pieces on gloo.
 
@@ -19,11 +23,15 @@ from typing import Any
 
 from dsp_plugin.megatron.arguments import add_dsp_arguments, apply_dsp_arguments, dsp_enabled
 
-__all__ = ["add_dsp_arguments", "apply_dsp_arguments", "dsp_enabled", "install_topology",
-           "model_provider", "forward_step"]
+__all__ = ["DSPSpatialTemporalLayer", "DSPTransformerConfig", "add_dsp_arguments", "apply_dsp_arguments",
+           "dsp_enabled", "dsp_layer_spec", "forward_step", "gather_video_tokens", "install_topology",
+           "model_provider", "require_dsp_layers", "shard_range", "split_video_tokens"]
 
 _LAZY = {"install_topology": "groups", "initialize_dsp_model_parallel": "groups",
-         "model_provider": "steps", "forward_step": "steps", "STDiTMegatron": "model"}
+         "model_provider": "steps", "forward_step": "steps", "STDiTMegatron": "model",
+         "DSPTransformerConfig": "config", "DSPSpatialTemporalLayer": "dsp_layer", "dsp_layer_spec": "layers",
+         "split_video_tokens": "tokens", "gather_video_tokens": "tokens", "require_dsp_layers": "tokens",
+         "shard_range": "tokens"}
 
 
 def __getattr__(name: str) -> Any:

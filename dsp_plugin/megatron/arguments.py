@@ -27,7 +27,7 @@ import argparse
 import os
 from typing import Any
 
-__all__ = ["MODES", "add_dsp_arguments", "apply_dsp_arguments", "dsp_enabled"]
+__all__ = ["MODES", "add_dsp_arguments", "apply_dsp_arguments", "check_models_for_dsp_layers", "dsp_enabled"]
 
 #: Values of ``--sequence-parallel-mode``.
 MODES = ("none", "dsp")
@@ -53,6 +53,8 @@ def add_dsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         def parse_known_args_and_apply_dsp(args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
             parsed, rest = parse_known_args(args, namespace)
             apply_dsp_arguments(parsed, world_size=int(os.getenv("WORLD_SIZE", "1")))
+            if dsp_enabled(parsed):
+                check_models_for_dsp_layers()
             return parsed, rest
 
         parser.parse_known_args = parse_known_args_and_apply_dsp  # type: ignore[method-assign]
@@ -120,10 +122,90 @@ def apply_dsp_arguments(args: argparse.Namespace, *, world_size: int) -> argpars
         raise ValueError(f"--seq-length ({seq_length}) must be a multiple of 2 x dsp size ({dsp}) = {2 * dsp}: "
                          "Megatron's validate_args applies its context-parallel rule to the slot DSP "
                          "occupies (DSP itself splits any length)")
+    check_model_options(args, dsp)
     args.dsp_size = dsp
     args.context_parallel_size = dsp
     args._dsp_applied = True
     return args
+
+
+#: rows of every TE GEMM input under FP8 must divide by this (16 covers the stricter recipes)
+FP8_ROW_ALIGNMENT = 16
+
+
+def check_model_options(args: argparse.Namespace, dsp: int) -> None:
+    """Options the DSP layers do not support, and shard shapes the chosen kernels cannot take.
+
+    The geometry checks use ``--num-frames``/``--latent-height``/``--latent-width`` when the
+    launch defines them (``launch/pretrain_stdit.py`` does); a user's own launch without
+    them is checked for the options only.
+    """
+    if getattr(args, "sequence_parallel", False):
+        raise ValueError("--sequence-parallel-mode dsp does not support --sequence-parallel (Megatron sequence "
+                         "parallelism inside TP): DSP layers already shard the sequence; drop one of the two")
+    rope = getattr(args, "position_embedding_type", None)
+    if rope in ("rope", "mrope", "yarn"):
+        raise ValueError(f"--sequence-parallel-mode dsp does not support --position-embedding-type {rope}: "
+                         "Megatron slices rotary embeddings by context-parallel rank, which is not the DSP "
+                         "shard; DSP layers add sin-cos positions along the dim they attend (never sharded)")
+    if getattr(args, "recompute_granularity", None) == "selective":
+        modules = set(getattr(args, "recompute_modules", None) or ["core_attn"])
+        if modules - {"core_attn"}:
+            raise ValueError(f"--sequence-parallel-mode dsp: --recompute-modules {sorted(modules)} is not "
+                             "supported (DSP layers run their own norms and MLP); use core_attn, or "
+                             "--recompute-granularity full")
+    frames = getattr(args, "num_frames", None)
+    height, width = getattr(args, "latent_height", None), getattr(args, "latent_width", None)
+    if frames is None or height is None or width is None or dsp == 1:
+        return
+    patches = height * width
+    te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    if te and dsp > min(frames, patches):
+        raise ValueError(f"dsp size ({dsp}) exceeds the frames ({frames}) or patches ({patches}) of a sample: "
+                         "some ranks would hold empty shards, which Transformer Engine kernels cannot take; "
+                         "use --dsp-size <= min(frames, patches) or --transformer-impl local")
+    if getattr(args, "fp8", None) or getattr(args, "fp8_format", None):
+        from dsp_plugin.comm import chunk_sizes
+
+        mbs = getattr(args, "micro_batch_size", 1) or 1
+        rows = {f"spatial layers ({patches} patches x {t} local frames x micro batch {mbs})": patches * t * mbs
+                for t in set(chunk_sizes(frames, dsp))}
+        rows |= {f"temporal layers ({frames} frames x {s} local patches x micro batch {mbs})": frames * s * mbs
+                 for s in set(chunk_sizes(patches, dsp))}
+        text_len, text_dim = getattr(args, "text_len", 0), getattr(args, "text_dim", 0)
+        if text_dim:
+            rows[f"cross-attention keys ({text_len} text tokens x micro batch {mbs})"] = text_len * mbs
+        bad = {what: n for what, n in rows.items() if n % FP8_ROW_ALIGNMENT}
+        if bad:
+            listed = "; ".join(f"{what} = {n} rows" for what, n in bad.items())
+            raise ValueError(f"FP8 needs every GEMM's rows divisible by {FP8_ROW_ALIGNMENT} on every DSP rank "
+                             f"(dsp size {dsp}): {listed}")
+
+
+def check_models_for_dsp_layers() -> None:
+    """Wrap ``megatron.training``'s ``get_model`` so a model without DSP layers is refused under DSP.
+
+    Without a ``DSPSpatialTemporalLayer`` the DSP group would only be Megatron's
+    context-parallel group: TE ring attention or, with local attention, each rank
+    attending over its own chunk only. Installed once, by the argument hook.
+    """
+    from megatron.training import training
+
+    if getattr(training.get_model, "_dsp_checked", False):
+        return
+    original = training.get_model
+
+    def get_model(*args: Any, **kwargs: Any) -> Any:
+        from dsp_plugin.megatron.tokens import require_dsp_layers
+
+        model = original(*args, **kwargs)
+        if dsp_enabled(training.get_args()):  # decided per call: the hook outlives one launch in tests
+            for chunk in model if isinstance(model, list) else [model]:
+                require_dsp_layers(chunk)
+        return model
+
+    get_model._dsp_checked = True  # type: ignore[attr-defined]
+    training.get_model = get_model
 
 
 def dsp_enabled(args: argparse.Namespace) -> bool:

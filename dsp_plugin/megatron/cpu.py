@@ -13,7 +13,8 @@ replaced (CPU only)                           Megatron call site that needs it
 ``torch.cuda.get_device_properties`` sm_90    ``validate_args`` (``get_device_arch_version``)
 ``torch.cuda.synchronize()`` no-op             p2p ``_communicate_shapes`` (variable lengths)
 ``torch.cuda.Stream()``, ``stream()`` no-ops    ``get_model`` wraps DDP on a side stream
-``torch.cuda.get/set_rng_state`` (empty)      rerun state machine saves the CUDA RNG per step
+``torch.cuda.get/set_rng_state`` (empty),     rerun state machine saves the CUDA RNG per step;
+also ``torch.cuda.random.*``                  activation recompute (``CheckpointFunction``)
 ``device="cuda"`` in factory calls -> cpu     schedules (``total_num_tokens``), p2p shapes
 (a ``TorchFunctionMode``), ``Tensor.cuda()``
 ============================================  =============================================
@@ -107,6 +108,10 @@ def install_cuda_shim() -> dict[str, Any]:
         if getattr(torch.cuda, name) is not shim:
             replaced[name] = getattr(torch.cuda, name)
             setattr(torch.cuda, name, shim)
+    for name in ("get_rng_state", "set_rng_state"):  # activation recompute calls torch.cuda.random.*
+        if getattr(torch.cuda.random, name) is not _SHIMS[name]:
+            replaced[f"random.{name}"] = getattr(torch.cuda.random, name)
+            setattr(torch.cuda.random, name, _SHIMS[name])
     if not _MODE:
         _MODE.append(_CudaTensorsOnCpu())
         _MODE[0].__enter__()
@@ -124,6 +129,8 @@ def cuda_shim() -> Iterator[None]:
         for name, original in replaced.items():
             if name == "_mode":
                 _MODE.pop().__exit__(None, None, None)
+            elif name.startswith("random."):
+                setattr(torch.cuda.random, name.split(".", 1)[1], original)
             else:
                 setattr(torch.cuda, name, original)
 

@@ -1,42 +1,37 @@
-"""ModuleSpecs for the spatial-temporal blocks: megatron-core TransformerLayers, swapped through specs.
+"""The ModuleSpec of the DSP layer and the submodules it needs (local for CPU, Transformer Engine for GPU).
 
-Each DSP block is an unmodified megatron-core ``TransformerLayer``; only its
-submodules are chosen here, the way ``gpt_layer_specs.py`` does it:
+``dsp_layer_spec()`` builds :class:`~dsp_plugin.megatron.dsp_layer.DSPSpatialTemporalLayer`
+from megatron-core's own ``SelfAttention``, ``CrossAttention`` and ``MLP``, the way
+``gpt_layer_specs.py`` does for GPT:
 
-- ``local_layer_spec()``: Megatron's local GPT layer (``ColumnParallelLinear`` /
-  ``RowParallelLinear``) with bidirectional attention, :class:`SDPACoreAttention`
-  as core attention and torch norms that allow Megatron-SP
-  (:class:`SequenceParallelTorchNorm`). Megatron's own local
+- ``local``: ``ColumnParallelLinear`` / ``RowParallelLinear`` with
+  :class:`SDPACoreAttention` as core attention. Megatron's own local
   ``DotProductAttention`` allocates its score buffer with
   ``torch.cuda.current_device()``; the torch SDPA kernel runs on CPU and GPU alike.
-- ``te_layer_spec()``: Transformer Engine linears (``TELayerNormColumnParallelLinear``,
-  ``TERowParallelLinear``) and ``TEDotProductAttention``. TE is imported lazily,
-  so this module imports on a CPU machine without transformer-engine. FP8 comes
-  from TE's fp8 autocast (``quantization_context``) when ``config.fp8`` is set.
+- ``transformer_engine``: ``TEColumnParallelLinear``, ``TERowParallelLinear``,
+  ``TEDotProductAttention``, imported lazily so this module imports on a CPU
+  machine. No norm is fused into a linear: adaLN modulates between them.
+  ``TransformerBlock`` opens the FP8 contexts when ``config.fp8`` is set.
 
-Attention stays local: DSP never shards the dim a block attends along, and the
-model's ``TransformerConfig`` keeps ``context_parallel_size == 1`` even though the
-DSP group sits in parallel_state's context-parallel slot, so TE does not start
-its own ring attention. TP splits heads (QKV column-parallel, output
-row-parallel) and the MLP inside each layer, as in any Megatron GPT layer.
+Attention stays local: DSP never shards the dim a layer attends along, and the
+config keeps ``context_parallel_size == 1`` even though the DSP group sits in
+parallel_state's context-parallel slot, so TE does not start its own ring
+attention. TP splits heads (QKV column-parallel, output row-parallel) and the
+MLP inside each layer, as in any Megatron GPT layer.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from typing import Any
 
 import torch
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_submodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer
 
-__all__ = ["SDPACoreAttention", "SequenceParallelTorchNorm", "layer_spec", "local_layer_spec", "quantization_context",
-           "te_available", "te_layer_spec"]
+__all__ = ["SDPACoreAttention", "SequenceParallelTorchNorm", "dsp_layer_spec", "non_affine_layer_norm",
+           "te_available"]
 
 
 class SDPACoreAttention(MegatronModule):
@@ -101,23 +96,6 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _bidirectional(submodules: Any) -> Any:
-    """Copy of a GPT layer's submodules with attention unmasked (GPT specs hard-code causal)."""
-    submodules = copy.deepcopy(submodules)
-    submodules.self_attention.params = dict(submodules.self_attention.params or {},
-                                            attn_mask_type=AttnMaskType.no_mask)
-    return submodules
-
-
-def local_layer_spec() -> ModuleSpec:
-    """Megatron-core local layer (TP-aware linears, torch norms) with SDPA core attention."""
-    submodules = _bidirectional(get_gpt_layer_local_submodules())
-    submodules.self_attention.submodules.core_attention = SDPACoreAttention
-    submodules.input_layernorm = SequenceParallelTorchNorm
-    submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
-    return ModuleSpec(module=TransformerLayer, submodules=submodules)
-
-
 def te_available() -> bool:
     """True when transformer_engine imports (it needs CUDA; never on the CPU CI machine)."""
     try:
@@ -127,35 +105,61 @@ def te_available() -> bool:
     return True
 
 
-def te_layer_spec() -> ModuleSpec:
-    """Transformer Engine layer: fused LayerNorm+QKV, TE attention, TE MLP (FP8-capable)."""
-    if not te_available():
-        raise RuntimeError("te_layer_spec: transformer_engine is not importable here (it needs CUDA); "
-                           "use --transformer-impl local on CPU")
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_submodules
-
-    submodules = _bidirectional(get_gpt_layer_with_transformer_engine_submodules())
-    return ModuleSpec(module=TransformerLayer, submodules=submodules)
+def non_affine_layer_norm(config: TransformerConfig, hidden_size: int, eps: float = 1e-5,
+                          **_: Any) -> torch.nn.Module:
+    """LayerNorm without weight and bias: adaLN supplies scale and shift per sample (DiT)."""
+    return torch.nn.LayerNorm(hidden_size, eps=eps, elementwise_affine=False)
 
 
-def layer_spec(transformer_impl: str) -> ModuleSpec:
-    """The spec for Megatron's ``--transformer-impl`` (``local`` or ``transformer_engine``)."""
-    if transformer_impl == "local":
-        return local_layer_spec()
-    if transformer_impl == "transformer_engine":
-        return te_layer_spec()
-    raise ValueError(f"layer_spec: transformer_impl={transformer_impl!r}; expected 'local' or "
-                     "'transformer_engine'")
+def dsp_layer_spec(transformer_impl: str = "local", *, cross_attention: bool = True) -> ModuleSpec:
+    """ModuleSpec of :class:`~dsp_plugin.megatron.dsp_layer.DSPSpatialTemporalLayer` for a ``TransformerBlock``.
 
-
-def quantization_context(config: TransformerConfig) -> contextlib.AbstractContextManager:
-    """TE fp8 autocast around the blocks when ``config.fp8`` is set, else a null context.
-
-    ``TransformerBlock`` does this for GPT; the DSP model drives its layers itself,
-    so it opens the same megatron-core context (``get_fp8_context``) once per forward.
+    ``local``: ``ColumnParallelLinear``/``RowParallelLinear`` and :class:`SDPACoreAttention`
+    (CPU and GPU). ``transformer_engine``: TE linears and ``TEDotProductAttention``
+    (imported only here, GPU). Norms before attention and MLP are affine-free
+    (adaLN modulates them), so no norm is fused into a linear; the norm before
+    cross-attention is a plain affine LayerNorm. Attention is unmasked.
     """
-    if not getattr(config, "fp8", None):
-        return contextlib.nullcontext()
-    from megatron.core.fp8_utils import get_fp8_context
+    from functools import partial
 
-    return get_fp8_context(config)
+    from megatron.core.transformer.attention import (
+        CrossAttention,
+        CrossAttentionSubmodules,
+        SelfAttention,
+        SelfAttentionSubmodules,
+    )
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
+
+    from dsp_plugin.megatron.dsp_layer import DSPSpatialTemporalLayer
+
+    if transformer_impl == "local":
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear as column
+        from megatron.core.tensor_parallel.layers import RowParallelLinear as row
+
+        core: Any = SDPACoreAttention
+    elif transformer_impl == "transformer_engine":
+        if not te_available():
+            raise RuntimeError("dsp_layer_spec: transformer_engine is not importable here (it needs CUDA); "
+                               "use --transformer-impl local on CPU")
+        from megatron.core.extensions.transformer_engine import TEColumnParallelLinear as column
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention as core
+        from megatron.core.extensions.transformer_engine import TERowParallelLinear as row
+    else:
+        raise ValueError(f"dsp_layer_spec: transformer_impl={transformer_impl!r}; expected 'local' or "
+                         "'transformer_engine'")
+    no_mask = {"attn_mask_type": AttnMaskType.no_mask}
+    submodules = TransformerLayerSubmodules(
+        input_layernorm=non_affine_layer_norm,
+        self_attention=ModuleSpec(module=SelfAttention, params=no_mask, submodules=SelfAttentionSubmodules(
+            linear_qkv=column, core_attention=core, linear_proj=row)),
+        pre_mlp_layernorm=non_affine_layer_norm,
+        mlp=partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
+    )
+    if cross_attention:
+        submodules.pre_cross_attn_layernorm = SequenceParallelTorchNorm
+        submodules.cross_attention = ModuleSpec(module=CrossAttention, params=no_mask,
+                                                submodules=CrossAttentionSubmodules(
+                                                    linear_q=column, linear_kv=column, core_attention=core,
+                                                    linear_proj=row))
+    return ModuleSpec(module=DSPSpatialTemporalLayer, submodules=submodules)

@@ -22,26 +22,29 @@ from typing import Any
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.enums import ModelType
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 from dsp_plugin.comm import split
-from dsp_plugin.megatron.layers import layer_spec
-from dsp_plugin.megatron.model import STDiTMegatron, VideoShape, shard_dim_after
-from dsp_plugin.megatron.weights import init_like_single_process
+from dsp_plugin.megatron.config import DSPTransformerConfig, output_shard_dim
+from dsp_plugin.megatron.layers import dsp_layer_spec
+from dsp_plugin.megatron.model import STDiTMegatron, VideoShape
 
 __all__ = ["SyntheticVideoDataset", "add_model_arguments", "build_model", "forward_step", "loss_func",
-           "model_provider", "video_shape_from_args"]
+           "model_provider", "reference_weights", "video_shape_from_args"]
 
 
 class SyntheticVideoDataset(torch.utils.data.Dataset):
     """Deterministic synthetic video latents: sample ``i`` depends only on ``(seed, i)``.
 
     Each item: ``latents`` (noisy latent video) and ``target`` (the noise to
-    predict), both ``[C, T, H, W]``, and a diffusion ``timestep``. No downloads.
+    predict), both ``[C, T, H, W]``, an integer diffusion ``timestep`` (an integer,
+    so ``Float16Module`` does not round it to bf16) and, with ``text_dim``, a
+    ``text`` embedding ``[text_len, text_dim]``. No downloads.
     """
 
-    def __init__(self, video: VideoShape, num_samples: int, *, seed: int = 1234) -> None:
+    def __init__(self, video: VideoShape, num_samples: int, *, seed: int = 1234, text_dim: int | None = None,
+                 text_len: int = 4) -> None:
         self.video, self.num_samples, self.seed = video, num_samples, seed
+        self.text_dim, self.text_len = text_dim, text_len
 
     def __len__(self) -> int:
         return self.num_samples
@@ -51,33 +54,52 @@ class SyntheticVideoDataset(torch.utils.data.Dataset):
         v = self.video
         clean = torch.randn(v.channels, v.frames, v.height, v.width, generator=gen)
         noise = torch.randn(v.channels, v.frames, v.height, v.width, generator=gen)
-        timestep = torch.randint(0, 1000, (), generator=gen).float()
-        alpha = torch.cos(timestep / 1000 * torch.pi / 2)
-        return {"latents": alpha * clean + (1 - alpha**2).sqrt() * noise, "target": noise, "timestep": timestep}
+        timestep = torch.randint(0, 1000, (), generator=gen)
+        alpha = torch.cos(timestep.float() / 1000 * torch.pi / 2)
+        item = {"latents": alpha * clean + (1 - alpha**2).sqrt() * noise, "target": noise, "timestep": timestep}
+        if self.text_dim:
+            item["text"] = torch.randn(self.text_len, self.text_dim, generator=gen)
+        return item
 
 
-def build_model(config: TransformerConfig, video: VideoShape, *, transformer_impl: str = "local",
-                pre_process: bool = True, post_process: bool = True, seed: int | None = None,
-                pg_collection: Any = None) -> STDiTMegatron:
-    """One pipeline stage; with ``seed``, weights equal the single-process model's (``weights.py``)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
+def dsp_config(video: VideoShape, **transformer_config: Any) -> DSPTransformerConfig:
+    """A ``DSPTransformerConfig`` for ``video`` (what ``model_provider`` builds from the arguments)."""
+    return DSPTransformerConfig(dsp_frames=video.frames, dsp_patches=video.patches, **transformer_config)
 
-    model = STDiTMegatron(config, layer_spec(transformer_impl), video,
-                          pre_process=pre_process, post_process=post_process)
+
+def reference_weights(config: DSPTransformerConfig, video: VideoShape, text_dim: int | None,
+                      seed: int) -> dict[str, torch.Tensor]:
+    """State dict of the plain-torch reference ``STDiT`` drawn with ``seed`` (same on every rank)."""
+    from dsp_plugin.megatron.weights import reference_config
+    from dsp_plugin.models.stdit import STDiT
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return STDiT(reference_config(config, video.channels, text_dim)).state_dict()
+
+
+def build_model(config: DSPTransformerConfig, video: VideoShape, *, transformer_impl: str = "local",
+                text_dim: int | None = None, text_len: int = 0, pre_process: bool = True,
+                post_process: bool = True, seed: int | None = None, pg_collection: Any = None) -> STDiTMegatron:
+    """One pipeline stage; with ``seed``, the weights of the reference ``STDiT`` drawn with that seed."""
+    from dsp_plugin.megatron.weights import load_reference_weights
+
+    model = STDiTMegatron(config, dsp_layer_spec(transformer_impl, cross_attention=bool(text_dim)), video,
+                          text_dim=text_dim, text_len=text_len, pre_process=pre_process,
+                          post_process=post_process, pg_collection=pg_collection)
     model.model_type = ModelType.encoder_or_decoder  # what megatron.training's get_model sets
-    # megatron.training's train_step reads the model's groups (mp, pp, dp_cp) from here
-    model.pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
     if seed is not None:
-        init_like_single_process(model, seed=seed, layer_offset=model.layer_offset)
+        load_reference_weights(model, reference_weights(config, video, text_dim, seed))
     return model
 
 
-def loss_func(target: torch.Tensor, num_layers: int, output: torch.Tensor) -> tuple[torch.Tensor, dict]:
+def loss_func(target: torch.Tensor, num_layers: int, config: DSPTransformerConfig,
+              output: torch.Tensor) -> tuple[torch.Tensor, dict]:
     """Local share of the per-sample MSE on this rank's shard (see the module docstring)."""
     batch, channels, frames, height, width = target.shape
     tokens = target.permute(0, 2, 3, 4, 1).reshape(batch, frames, height * width, channels)
     group = ps.get_context_parallel_group()
-    local_target = split(tokens, shard_dim_after(num_layers - 1), group=group)  # data: no gradient
+    local_target = split(tokens, output_shard_dim(config, num_layers), group=group)  # data: no gradient
     local = (output.float() - local_target.float()).pow(2).sum() / target.numel()
     # Megatron's [sum, count] report: train_step sums it over micro-batches and DP x CP and
     # divides; each DSP rank counts 1/N, so the result is the mean over DP of the full loss
@@ -90,8 +112,10 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     batch = next(data_iterator)
     device = next(model.parameters()).device
     latents, target = batch["latents"].to(device), batch["target"].to(device)
-    output = model(latents, batch["timestep"].to(device))
-    return output, partial(loss_func, target, _unwrap(model).config.num_layers)
+    text = batch["text"].to(device) if "text" in batch else None
+    output = model(latents, batch["timestep"].to(device), text)
+    config = _unwrap(model).config
+    return output, partial(loss_func, target, config.num_layers, config)
 
 
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -104,14 +128,17 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Latent video geometry of the synthetic data (Megatron has no such options)."""
+    """Latent video geometry and text conditioning of the synthetic data (Megatron has no such options)."""
     group = parser.add_argument_group(title="spatial-temporal model (dsp_plugin)")
     group.add_argument("--latent-channels", type=int, default=4)
     group.add_argument("--num-frames", type=int, default=8, help="latent frames T")
     group.add_argument("--latent-height", type=int, default=4, help="latent patches along H")
     group.add_argument("--latent-width", type=int, default=4, help="latent patches along W")
+    group.add_argument("--text-dim", type=int, default=16, help="text embedding width; 0: no cross-attention")
+    group.add_argument("--text-len", type=int, default=4, help="text tokens per sample")
     group.add_argument("--init-seed", type=int, default=None,
-                       help="initialise weights independently of TP/DSP/PP (comparable loss curves)")
+                       help="initialise weights from the plain-torch reference STDiT drawn with this seed "
+                            "(independent of TP/DSP/PP: comparable loss curves)")
     return parser
 
 
@@ -119,24 +146,36 @@ def video_shape_from_args(args: argparse.Namespace) -> VideoShape:
     return VideoShape(args.latent_channels, args.num_frames, args.latent_height, args.latent_width)
 
 
-def model_config_from_args(args: argparse.Namespace) -> TransformerConfig:
-    """Megatron's config from the arguments, with attention kept local (``context_parallel_size=1``)."""
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """The DiT MLP activation (OpenSora, the reference): tanh-approximated GELU."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def model_config_from_args(args: argparse.Namespace) -> DSPTransformerConfig:
+    """Megatron's config from the arguments, as a ``DSPTransformerConfig`` with attention kept local.
+
+    The CP slot of parallel_state holds DSP; the layers must see ``context_parallel_size=1``
+    or TE starts ring attention.
+    """
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    # The CP slot of parallel_state holds DSP; the layers must see CP=1 or TE starts ring attention.
+    video = video_shape_from_args(args)
     saved = args.context_parallel_size
     args.context_parallel_size = 1
+    args.dsp_frames, args.dsp_patches = video.frames, video.patches
     try:
-        config = core_transformer_config_from_args(args)
+        config = core_transformer_config_from_args(args, config_class=DSPTransformerConfig)
     finally:
         args.context_parallel_size = saved
+    if config.activation_func is torch.nn.functional.gelu:  # Megatron's default: use the DiT's GELU
+        config.activation_func = gelu_tanh
     if ps.get_pipeline_model_parallel_world_size() > 1:
         config.variable_seq_lengths = True  # uneven shards: let Megatron exchange p2p shapes
     return config
 
 
 def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage: int | None = None,
-                   config: TransformerConfig | None = None, pg_collection: Any = None) -> STDiTMegatron:
+                   config: Any = None, pg_collection: Any = None) -> STDiTMegatron:
     """``pretrain()``'s model provider; installs the DSP topology from parallel_state on first use."""
     from megatron.training import get_args
 
@@ -146,5 +185,5 @@ def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage
     install_topology()
     config = model_config_from_args(args)
     return build_model(config, video_shape_from_args(args), transformer_impl=args.transformer_impl,
-                       pre_process=pre_process, post_process=post_process, seed=args.init_seed,
-                       pg_collection=pg_collection)
+                       text_dim=args.text_dim or None, text_len=args.text_len, pre_process=pre_process,
+                       post_process=post_process, seed=args.init_seed, pg_collection=pg_collection)

@@ -1,62 +1,101 @@
-"""Initialise parameters identically for every TP x DSP x PP layout of the same model.
+"""Load the plain-torch reference's weights into any TP x DSP x PP layout of the Megatron model.
 
-Megatron seeds each pipeline stage differently and initialises in construction
-order, so a PP=2 run and a single-process run start from different weights.
-For a run that must be comparable across layouts (tests, the loss curves in
-the docs), every parameter is drawn instead from a generator keyed by its
-*global* name (layer index including the pipeline offset), as a full tensor,
-and this rank keeps its tensor-parallel chunk (``partition_dim``, as Megatron
-marks TP parameters). The result does not depend on TP, DSP, DP or PP.
+``dsp_plugin.models.stdit.STDiT`` (patch size 1, two axes, the same depth x 2
+blocks) is the independent oracle: a Megatron run initialised from it must give
+its outputs and gradients. :func:`megatron_names` maps a reference state dict
+(or its gradients: the map is a pure re-layout, so it applies to gradients too)
+to **global** Megatron parameter names with full, unsplit tensors;
+:func:`load_reference_weights` keeps this rank's pipeline layers and TP chunk.
+
+Re-layouts: the reference's ``q`` and ``kv`` become Megatron's interleaved
+``linear_qkv`` rows ``[q_h, k_h, v_h]`` per head; cross-attention ``kv`` becomes
+``linear_kv`` rows ``[k_h, v_h]`` per head; the (1,1,1) patch ``Conv3d`` becomes a
+``Linear``. Everything else is a rename.
 """
 
 from __future__ import annotations
 
 import re
-import zlib
 
 import torch
 from megatron.core import parallel_state as ps
 from torch import nn
 
-__all__ = ["global_parameter_name", "init_like_single_process"]
+__all__ = ["global_parameter_name", "load_reference_weights", "megatron_names", "reference_config"]
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+_RENAMES = {
+    "attn.proj": "self_attention.linear_proj", "cross.q": "cross_attention.linear_q",
+    "cross.proj": "cross_attention.linear_proj", "norm_cross": "pre_cross_attn_layernorm",
+    "mlp.0": "mlp.linear_fc1", "mlp.2": "mlp.linear_fc2", "adaln.1": "adaln_modulation",
+}
+_TOP = {"t_embedder.mlp.0": "time_embed.0", "t_embedder.mlp.2": "time_embed.2", "text_proj": "text_proj",
+        "final_layer.adaln.1": "final_adaln.1", "final_layer.linear": "head"}
 
 
 def global_parameter_name(name: str, layer_offset: int) -> str:
-    """``layers.{i}.x`` -> ``layers.{i + layer_offset}.x`` (the name in the single-process model)."""
+    """``...layers.{i}.x`` -> ``...layers.{i + layer_offset}.x`` (the name in the single-stage model)."""
     return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name, count=1)
 
 
-def _full_shape_and_dim(param: nn.Parameter, tp: int) -> tuple[list[int], int | None]:
-    shape = list(param.shape)
-    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
-        return shape, None
-    if getattr(param, "partition_stride", 1) != 1:
-        raise ValueError("init_like_single_process: strided TP partitions (gated MLPs) are not supported")
-    dim = param.partition_dim
-    shape[dim] *= tp
-    return shape, dim
+def reference_config(config: object, channels: int, text_dim: int | None) -> object:
+    """The ``STDiTConfig`` of the reference matching a ``DSPTransformerConfig``."""
+    from dsp_plugin.models.stdit import STDiTConfig
+
+    if config.num_layers % 2 or tuple(config.dsp_attend_pattern) != ("spatial", "temporal"):
+        raise ValueError("reference_config: the reference alternates spatial and temporal blocks; got "
+                         f"num_layers={config.num_layers}, pattern={config.dsp_attend_pattern}")
+    return STDiTConfig(depth=config.num_layers // 2, hidden_size=config.hidden_size,
+                       num_heads=config.num_attention_heads, mlp_ratio=config.ffn_hidden_size / config.hidden_size,
+                       in_channels=channels, patch_size=(1, 1, 1), text_dim=text_dim, axes=2)
+
+
+def _heads(t: torch.Tensor, parts: int, heads: int) -> torch.Tensor:
+    """``[parts * D, ...] -> [parts, heads, D / heads, ...]``."""
+    return t.reshape(parts, heads, t.shape[0] // (parts * heads), *t.shape[1:])
+
+
+def megatron_names(reference: dict[str, torch.Tensor], num_heads: int) -> dict[str, torch.Tensor]:
+    """Reference state (or gradient) dict -> ``{global Megatron name: full tensor}``."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in reference.items():
+        if name.startswith("blocks."):
+            _, index, rest = name.split(".", 2)
+            prefix = f"decoder.layers.{index}."
+            module, kind = rest.rsplit(".", 1)
+            if module == "attn.q":
+                continue  # with attn.kv below
+            if module == "attn.kv":
+                q = _heads(reference[f"blocks.{index}.attn.q.{kind}"], 1, num_heads)
+                qkv = torch.cat([q, _heads(value, 2, num_heads)], dim=0)  # [3, H, hd, ...]
+                out[f"{prefix}self_attention.linear_qkv.{kind}"] = qkv.transpose(0, 1).reshape(-1, *value.shape[1:])
+            elif module == "cross.kv":
+                kv = _heads(value, 2, num_heads).transpose(0, 1)  # [H, 2, hd, ...]
+                out[f"{prefix}cross_attention.linear_kv.{kind}"] = kv.reshape(value.shape)
+            else:
+                out[f"{prefix}{_RENAMES[module]}.{kind}"] = value
+        elif name.startswith("embedder.proj."):
+            kind = name.rsplit(".", 1)[1]
+            out[f"patch_embed.{kind}"] = value.reshape(value.shape[0], -1) if kind == "weight" else value
+        else:
+            module, kind = name.rsplit(".", 1)
+            out[f"{_TOP[module]}.{kind}"] = value
+    return out
 
 
 @torch.no_grad()
-def init_like_single_process(model: nn.Module, *, seed: int, layer_offset: int = 0) -> None:
-    """Overwrite every parameter with a layout-independent draw (see the module docstring).
-
-    Norm weights get ``1 + 0.1 * N(0, 1)``, matrices ``N(0, 1/fan_in)``, everything
-    else ``0.1 * N(0, 1)``: non-trivial values, so every gradient is exercised.
-    """
+def load_reference_weights(model: nn.Module, reference: dict[str, torch.Tensor]) -> None:
+    """Copy the reference's weights into this stage's parameters (this TP rank's chunk)."""
+    full = megatron_names(reference, model.config.num_attention_heads)
     tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for name, param in model.named_parameters():
-        key = global_parameter_name(name, layer_offset)
-        shape, dim = _full_shape_and_dim(param, tp)
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(key.encode()))
-        full = torch.randn(shape, generator=gen, dtype=torch.float32)
-        if "norm" in key and key.endswith("weight"):
-            full = 1.0 + 0.1 * full
-        elif len(shape) == 2 and "pos" not in key:
-            full = full / shape[1] ** 0.5
-        else:
-            full = 0.1 * full
-        local = full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
-        param.copy_(local.to(dtype=param.dtype, device=param.device))
+        key = global_parameter_name(name, model.layer_offset)
+        if key not in full:
+            raise KeyError(f"load_reference_weights: no reference weight for {key} (have {sorted(full)[:8]}...)")
+        value = full[key]
+        if getattr(param, "tensor_model_parallel", False) and tp > 1:
+            value = value.chunk(tp, dim=param.partition_dim)[tp_rank]
+        if value.shape != param.shape:
+            raise ValueError(f"load_reference_weights: {key} has shape {tuple(param.shape)} here, the reference "
+                             f"gives {tuple(value.shape)}")
+        param.copy_(value.to(dtype=param.dtype, device=param.device))

@@ -6,7 +6,9 @@ Each layer is a run of ``AxialBlock``s, one per sequence dim: spatial then
 temporal (or H, W, T). A block attends along its ``attend_dim`` only, for every
 position of the other dims; that independence is what DSP exploits. Blocks are
 pre-norm self-attention + optional cross-attention to text + MLP, conditioned
-on the timestep through adaLN (shift, scale, gate), as in DiT.
+on the timestep through adaLN (shift, scale, gate), as in DiT; ``adaln_zero=True``
+gives DiT's adaLN-Zero initialisation (off by default so that tests exercise every
+gradient from the first step).
 
 Nothing here knows about parallelism: every shape is read from the tensor the
 module receives, so the same code runs on a shard. ``dsp_plugin.models.plan``
@@ -35,6 +37,7 @@ class STDiTConfig:
     patch_size: tuple[int, int, int] = (1, 2, 2)
     text_dim: int | None = 16            # cross-attention to a text embedding; None: off
     axes: int = 2                        # 2: spatial + temporal; 3: H, W and T separately
+    adaln_zero: bool = False             # DiT's adaLN-Zero init: modulation and output layers start at zero
 
     @staticmethod
     def preset(name: str, **overrides: object) -> STDiTConfig:
@@ -203,6 +206,10 @@ class STDiT(nn.Module):
             for layer in range(config.depth) for dim in order)
         self.final_layer = FinalLayer(config)
         self.unpatchify = Unpatchify(config)
+        if config.adaln_zero:  # every block starts as the identity and the model outputs zeros (DiT)
+            for linear in [b.adaln[1] for b in self.blocks] + [self.final_layer.adaln[1], self.final_layer.linear]:
+                nn.init.zeros_(linear.weight)
+                nn.init.zeros_(linear.bias)
 
     @property
     def sequence_dims(self) -> tuple[int, ...]:

@@ -1,0 +1,174 @@
+"""Multi-process sampling for diffusers' ``LattePipeline``: latents sharded from the first step to the last.
+
+``parallelize_latte_pipeline(pipe, dsp_group=..., cfg_group=...)`` returns a
+callable with ``LattePipeline.__call__``'s arguments that runs the same
+algorithm (the pipeline's own ``encode_prompt``, ``prepare_latents``, scheduler,
+``decode_latents`` and ``video_processor``) with the latents split once on the
+frame dim:
+
+    noise [B, C, T, h, w] --split T--> [B, C, T/N, h, w]        once, before step 0
+    every step: transformer.forward_shard on the shard          2 all-to-alls per layer, no gather
+                scheduler.step on the shard                     elementwise, no communication
+    CFG parallel: the cond and uncond halves on a 2-way axis,   one all_gather of the noise shard
+                  combined on both halves                       (size of the latent shard)
+    end: decode this rank's frames (2D VAE), gather pixels      one all_gather
+         (a VAE that mixes frames gets the gathered latents instead)
+
+Every rank ends with the full video. The scheduler's step must be
+deterministic (DDIM with ``eta=0``, DPM-Solver, Euler, ...): a stochastic step
+would draw noise of the shard's shape and the sample would depend on N.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsp_plugin.adapters.latte import LatteDSP
+from dsp_plugin.comm import gather, group_rank, group_size, split
+
+__all__ = ["DSPLattePipeline", "parallelize_latte_pipeline"]
+
+STOCHASTIC_SCHEDULERS = ("DDPMScheduler", "EulerAncestralDiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
+                         "DPMSolverSDEScheduler", "LCMScheduler", "TCDScheduler")
+
+
+class DSPLattePipeline:
+    """A ``LattePipeline`` whose transformer runs on a frame shard; see the module docstring."""
+
+    def __init__(self, pipe: Any, *, dsp_group: dist.ProcessGroup | None = None,
+                 cfg_group: dist.ProcessGroup | None = None) -> None:
+        from diffusers import LattePipeline
+
+        if not isinstance(pipe, LattePipeline):
+            raise TypeError(f"parallelize_latte_pipeline: expected a diffusers LattePipeline, got "
+                            f"{type(pipe).__name__}")
+        if cfg_group is not None and group_size(cfg_group) not in (1, 2):
+            raise ValueError(f"parallelize_latte_pipeline: the CFG group has {group_size(cfg_group)} ranks; "
+                             f"expected 2 (conditional and unconditional halves) or 1")
+        name = type(pipe.scheduler).__name__
+        variance = getattr(pipe.scheduler.config, "algorithm_type", "")
+        if name in STOCHASTIC_SCHEDULERS or str(variance).startswith("sde"):
+            raise ValueError(f"parallelize_latte_pipeline: scheduler {name} draws noise in its step, which on a "
+                             f"shard would depend on the DSP size; expected a deterministic scheduler "
+                             f"(DDIM with eta=0, DPMSolverMultistep, EulerDiscrete, ...)")
+        self.pipe = pipe
+        self.transformer = LatteDSP(pipe.transformer, group=dsp_group)
+        self.dsp_group = dsp_group
+        self.cfg_group = cfg_group if cfg_group is not None and group_size(cfg_group) == 2 else None
+
+    @torch.no_grad()
+    def __call__(self, prompt: str | list[str] | None = None, negative_prompt: str | None = None, *,
+                 prompt_embeds: torch.Tensor | None = None, negative_prompt_embeds: torch.Tensor | None = None,
+                 video_length: int = 16, height: int = 512, width: int = 512,
+                 num_inference_steps: int = 50, guidance_scale: float = 7.5, eta: float = 0.0,
+                 generator: torch.Generator | None = None, latents: torch.Tensor | None = None,
+                 output_type: str = "pil", mask_feature: bool = True, enable_temporal_attentions: bool = True,
+                 decode_chunk_size: int | None = 14, return_dict: bool = True,
+                 callback_on_step_end: Callable[[int, Any, torch.Tensor], None] | None = None) -> Any:
+        """Same arguments and output as ``LattePipeline.__call__`` (``callback_on_step_end(i, t, shard)``)."""
+        from diffusers.pipelines.latte.pipeline_latte import LattePipelineOutput, retrieve_timesteps
+
+        pipe = self.pipe
+        if eta != 0.0:
+            raise ValueError(f"DSPLattePipeline: eta={eta} makes the scheduler step draw noise of the shard's "
+                             f"shape; expected eta=0.0")
+        pipe.check_inputs(prompt, height, width, negative_prompt, None, prompt_embeds, negative_prompt_embeds)
+        n = group_size(self.dsp_group)
+        if video_length < n:
+            raise ValueError(f"DSPLattePipeline: video_length={video_length} is smaller than the DSP size {n}; "
+                             f"expected video_length >= {n}")
+        do_cfg = guidance_scale > 1.0
+        device = pipe._execution_device
+        prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
+            prompt, do_cfg, negative_prompt=negative_prompt if negative_prompt is not None else "",
+            num_images_per_prompt=1, device=device, prompt_embeds=prompt_embeds,
+            negative_prompt_embeds=negative_prompt_embeds, clean_caption=False, mask_feature=mask_feature)
+        cfg_parallel = do_cfg and self.cfg_group is not None
+        if cfg_parallel:     # CFG rank 0 runs the unconditional half, rank 1 the conditional one
+            text = negative_prompt_embeds if group_rank(self.cfg_group) == 0 else prompt_embeds
+        elif do_cfg:
+            text = torch.cat([negative_prompt_embeds, prompt_embeds], dim=0)
+        else:
+            text = prompt_embeds
+
+        timesteps, num_inference_steps = retrieve_timesteps(pipe.scheduler, num_inference_steps, device)
+        batch = prompt_embeds.shape[0]
+        full = pipe.prepare_latents(batch, pipe.transformer.config.in_channels, video_length, height, width,
+                                    prompt_embeds.dtype, device, generator, latents)
+        shard = split(full, 2, group=self.dsp_group)                 # [B, C, T/N, h, w], kept to the end
+        del full
+        extra = pipe.prepare_extra_step_kwargs(generator, eta)
+        learned_sigma = getattr(pipe.scheduler.config, "variance_type", None) in ("learned", "learned_range")
+
+        for i, t in enumerate(timesteps):
+            model_in = torch.cat([shard] * 2) if do_cfg and not cfg_parallel else shard
+            model_in = pipe.scheduler.scale_model_input(model_in, t)
+            step_t = t if torch.is_tensor(t) else torch.tensor([t], device=device)
+            step_t = step_t.reshape(-1)[:1].to(device).expand(model_in.shape[0])
+            noise = self.transformer.forward_shard(model_in, num_frames=video_length, timestep=step_t,
+                                                   encoder_hidden_states=text,
+                                                   enable_temporal_attentions=enable_temporal_attentions)
+            if cfg_parallel:    # [B, C, T/N, h, w] from both halves -> [2, B, ...], one all_gather
+                uncond, cond = gather(noise.unsqueeze(0).contiguous(), 0, group=self.cfg_group, global_len=2)
+                noise = uncond + guidance_scale * (cond - uncond)
+            elif do_cfg:
+                uncond, cond = noise.chunk(2)
+                noise = uncond + guidance_scale * (cond - uncond)
+            if not learned_sigma:
+                noise = noise.chunk(2, dim=1)[0]
+            shard = pipe.scheduler.step(noise, t, shard, **extra, return_dict=False)[0]
+            if callback_on_step_end is not None:
+                callback_on_step_end(i, t, shard)
+
+        video = self._finish(shard, video_length, decode_chunk_size, output_type)
+        pipe.maybe_free_model_hooks()
+        return LattePipelineOutput(frames=video) if return_dict else (video,)
+
+    def _finish(self, shard: torch.Tensor, frames: int, decode_chunk_size: int | None, output_type: str) -> Any:
+        """Gather once: the latents (``output_type="latent"``) or the decoded pixels of each rank's frames."""
+        pipe = self.pipe
+        if output_type in ("latent", "latents"):
+            return gather(shard.contiguous(), 2, group=self.dsp_group, global_len=frames)
+        chunk = decode_chunk_size or frames
+        if "num_frames" in inspect.signature(pipe.vae.forward).parameters:   # a VAE that mixes frames
+            latents = gather(shard.contiguous(), 2, group=self.dsp_group, global_len=frames)
+            video = pipe.decode_latents(latents, frames, decode_chunk_size=chunk)
+        else:                          # 2D VAE: decode local frames, gather pixels [B, 3, T, H, W]
+            local = pipe.decode_latents(shard, shard.shape[2], decode_chunk_size=chunk)
+            video = gather(local.contiguous(), 2, group=self.dsp_group, global_len=frames)
+        return pipe.video_processor.postprocess_video(video=video, output_type=output_type)
+
+
+def parallelize_latte_pipeline(pipe: Any, *, dsp_group: dist.ProcessGroup | None = None,
+                               cfg_group: dist.ProcessGroup | None = None) -> DSPLattePipeline:
+    """Make a ``LattePipeline`` sample with DSP over ``dsp_group`` (and CFG halves over ``cfg_group``).
+
+    ``dsp_group=None`` is the DSP group of the current topology (the whole world
+    without one). Use ``sampling_groups`` to cut the world into CFG x DSP.
+    """
+    return DSPLattePipeline(pipe, dsp_group=dsp_group, cfg_group=cfg_group)
+
+
+def sampling_groups(*, cfg_parallel: bool) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(dsp_group, cfg_group) for this process: the world as CFG(2) x DSP, DSP ranks adjacent.
+
+    Built with ``Topology.build`` (the CFG axis takes the data-parallel slot:
+    both halves hold the same latents, as data-parallel replicas hold the same
+    parameters). Without torch.distributed: (None, None).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, None
+    from dsp_plugin.topology import Topology, set_topology
+
+    world = dist.get_world_size()
+    cfg = 2 if cfg_parallel else 1
+    if world % cfg:
+        raise ValueError(f"sampling_groups: CFG parallelism needs an even world size, got {world}")
+    topology = Topology.build(dsp=world // cfg)
+    set_topology(topology)
+    return topology.dsp_group, (topology.dp_group if cfg_parallel else None)

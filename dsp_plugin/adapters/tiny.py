@@ -1,0 +1,77 @@
+"""Tiny random-weight diffusers models and a LattePipeline, built locally (nothing is downloaded).
+
+Shared by the tests, ``launch/sample_latte.py`` and the latency command, so all
+three sample the same pipeline. Weights come from ``torch.manual_seed(seed)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["tiny_latte", "tiny_latte_pipeline", "tiny_prompt_embeds", "tiny_spatiotemporal"]
+
+CAPTION_CHANNELS = 16
+
+
+def tiny_latte(*, frames: int = 7, layers: int = 2, heads: int = 2, head_dim: int = 8, sample_size: int = 8,
+               seed: int = 0) -> Any:
+    """A ``LatteTransformer3DModel`` with ``out_channels = 2 * in_channels`` (learned sigma, as Latte-1)."""
+    from diffusers import LatteTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = LatteTransformer3DModel(
+        num_attention_heads=heads, attention_head_dim=head_dim, in_channels=4, out_channels=8, num_layers=layers,
+        sample_size=sample_size, patch_size=2, caption_channels=CAPTION_CHANNELS,
+        cross_attention_dim=heads * head_dim, video_length=frames, norm_type="ada_norm_single",
+        num_embeds_ada_norm=1000, activation_fn="gelu-approximate")
+    # scale_shift_table and the zero-initialised adaLN let every path carry signal
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.02)
+    return model
+
+
+def tiny_latte_pipeline(*, frames: int = 7, layers: int = 2, sample_size: int = 8, seed: int = 0,
+                        pretrained: str | None = None) -> Any:
+    """A ``LattePipeline`` (tiny transformer, tiny 2D ``AutoencoderKL``, DDIM, no text encoder).
+
+    ``pretrained``: a directory written by ``save_pretrained`` of such a pipeline;
+    loaded with diffusers' own ``from_pretrained`` (local files only).
+    """
+    from diffusers import AutoencoderKL, DDIMScheduler, LattePipeline
+
+    if pretrained is not None:
+        return LattePipeline.from_pretrained(pretrained, local_files_only=True, torch_dtype=torch.float32)
+    transformer = tiny_latte(frames=frames, layers=layers, sample_size=sample_size, seed=seed)
+    torch.manual_seed(seed + 1)
+    vae = AutoencoderKL(in_channels=3, out_channels=3, block_out_channels=(8, 16),
+                        down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+                        latent_channels=4, norm_num_groups=4, sample_size=2 * sample_size)
+    return LattePipeline(tokenizer=None, text_encoder=None, vae=vae, transformer=transformer,
+                         scheduler=DDIMScheduler())
+
+
+def tiny_prompt_embeds(*, batch: int = 1, tokens: int = 5, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(prompt_embeds, negative_prompt_embeds) standing in for T5 outputs."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, tokens, CAPTION_CHANNELS, generator=g),
+            torch.randn(batch, tokens, CAPTION_CHANNELS, generator=g))
+
+
+def tiny_spatiotemporal(*, layers: int = 2, channels: int = 32, heads: int = 2, head_dim: int = 16,
+                        cross_dim: int = 16, seed: int = 0) -> Any:
+    """A ``TransformerSpatioTemporalModel`` (SVD's); the model needs heads * head_dim == channels."""
+    from diffusers.models.transformers.transformer_temporal import TransformerSpatioTemporalModel
+
+    torch.manual_seed(seed)
+    model = TransformerSpatioTemporalModel(num_attention_heads=heads, attention_head_dim=head_dim,
+                                           in_channels=channels, num_layers=layers, cross_attention_dim=cross_dim)
+    with torch.no_grad():
+        for p in model.parameters():           # zero-initialised projections would hide the blocks
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.02)
+        model.time_mixer.mix_factor.fill_(0.3)  # a mixer that weights both paths unequally
+    return model

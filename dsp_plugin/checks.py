@@ -1,0 +1,214 @@
+"""Cross-rank agreement before a collective: what every rank of a DSP group must share.
+
+A collective whose ranks disagree on shapes, dtypes, dims or lengths does not
+fail cleanly: gloo aborts the process (``EnforceNotMet``) or returns memory that
+was never written, and a rank that raised on its own leaves its peers waiting for
+the group timeout. So, before the collective, every rank encodes its call in a
+small int64 *fingerprint* (:class:`CallFingerprint`), the group all-gathers the
+fingerprints (``dsp_plugin.comm`` issues that collective; this module only
+encodes and judges), and every rank judges the same table and raises the same
+error — including a local error of one rank, whose message travels in its
+fingerprint.
+
+When (``DSP_CHECK`` in the environment, or :func:`set_check_mode`):
+
+- ``1`` / ``always``: every call. One all-gather of ~0.5 KiB per rank and a host
+  sync per primitive call.
+- unset / ``first`` (default): the first call of each distinct signature in this
+  process. A signature holds only what must be equal on every rank of a correct
+  program (op, dtype, shape, dims, lengths, group), so all ranks decide alike and a
+  static misconfiguration fails at the first step; a rank whose input *changes*
+  mid-run while its peers' does not is caught by ``always`` only.
+- ``0`` / ``off``: never (local argument errors are still raised).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["CallFingerprint", "CrossRankMismatch", "check_mode", "exchanging", "forget_signatures", "judge",
+           "needs_check", "set_check_mode"]
+
+_MODES = {"1": "always", "always": "always", "": "first", "first": "first", "0": "off", "off": "off"}
+_mode: str | None = None
+_seen: set[tuple[object, ...]] = set()
+_seen_lock = threading.Lock()
+_SEEN_LIMIT = 4096
+
+_OPS = ("split", "gather", "dynamic_switch")
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+           torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+_MAX_DIMS = 12
+_MSG_BYTES = 320
+_HEADER = ("op", "dtype", "ndim", "cur", "tgt", "global_len", "local_len", "group_size", "group_hash", "device")
+LENGTH = 1 + len(_HEADER) + _MAX_DIMS + 1 + _MSG_BYTES // 8   # int64 words
+_MAGIC = 0x44535031  # "DSP1"
+
+
+class CrossRankMismatch(ValueError):
+    """The ranks of a group disagreed before a collective; raised alike on every rank."""
+
+
+def set_check_mode(mode: str | None) -> None:
+    """``"always"``, ``"first"``, ``"off"`` (or ``"1"``, ``"0"``); ``None`` goes back to ``DSP_CHECK``."""
+    global _mode
+    if mode is not None and mode not in _MODES:
+        raise ValueError(f"set_check_mode: mode={mode!r}; expected one of 'always', 'first', 'off'")
+    _mode = None if mode is None else _MODES[mode]
+
+
+_local = threading.local()
+
+
+class exchanging:  # noqa: N801 - used as a context manager and a query
+    """``with exchanging():`` marks the fingerprint all-gather; ``exchanging.active()`` is True inside.
+
+    Accounting labels collectives issued inside as ``check``, so counts of a
+    model's own traffic do not change with the check mode.
+    """
+
+    def __enter__(self) -> None:
+        _local.active = True
+
+    def __exit__(self, *exc: object) -> None:
+        _local.active = False
+
+    @staticmethod
+    def active() -> bool:
+        return getattr(_local, "active", False)
+
+
+def forget_signatures() -> None:
+    """Check the next call of every signature again (``first`` mode). Call it on every rank alike."""
+    with _seen_lock:
+        _seen.clear()
+
+
+def check_mode() -> str:
+    if _mode is not None:
+        return _mode
+    value = os.environ.get("DSP_CHECK", "").strip().lower()
+    if value not in _MODES:
+        raise ValueError(f"DSP_CHECK={value!r}; expected 1/always, 0/off, or unset/first")
+    return _MODES[value]
+
+
+def group_hash(ranks: Sequence[int]) -> int:
+    return zlib.crc32(repr(list(ranks)).encode())
+
+
+@dataclass(frozen=True)
+class CallFingerprint:
+    """One rank's view of a primitive call. ``shape`` has the sharded input dim's entry as -1."""
+
+    op: str
+    dtype: torch.dtype | None
+    shape: tuple[int, ...]
+    cur: int          # sharded dim of the input, -1 if none (split)
+    tgt: int          # sharded dim of the output, -1 if none (gather)
+    global_len: int   # full length of `cur` as this rank knows it, -1 if unknown
+    local_len: int    # this rank's length of `cur`, -1 if none
+    group_size: int
+    group_hash: int
+    device: str
+    error: str = ""   # this rank's own error, raised on every rank
+
+    def signature(self) -> tuple[object, ...]:
+        return (self.op, self.dtype, self.shape, self.cur, self.tgt, self.global_len, self.local_len,
+                self.group_size, self.group_hash, self.device)
+
+    def encode(self) -> list[int]:
+        msg = self.error.encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
+        dtype = _DTYPES.index(self.dtype) if self.dtype in _DTYPES else (-1 if self.dtype is None else 99)
+        header = [_OPS.index(self.op), dtype, len(self.shape), self.cur, self.tgt, self.global_len,
+                  self.local_len, self.group_size, self.group_hash, {"cpu": 0, "cuda": 1}.get(self.device, 2)]
+        shape = list(self.shape[:_MAX_DIMS]) + [-2] * (_MAX_DIMS - len(self.shape[:_MAX_DIMS]))
+        words = [int.from_bytes(msg[i:i + 8], "little", signed=True) for i in range(0, _MSG_BYTES, 8)]
+        return [_MAGIC, *header, *shape, len(self.error.encode()[:_MSG_BYTES]), *words]
+
+
+def _decode(words: Sequence[int]) -> dict[str, object]:
+    header = dict(zip(_HEADER, words[1:1 + len(_HEADER)]))
+    start = 1 + len(_HEADER)
+    ndim = int(header["ndim"])
+    shape = tuple(words[start:start + min(ndim, _MAX_DIMS)])
+    msg_len = words[start + _MAX_DIMS]
+    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[start + _MAX_DIMS + 1:])
+    dtype = header["dtype"]
+    header["dtype"] = _DTYPES[dtype] if 0 <= dtype < len(_DTYPES) else ("other" if dtype == 99 else None)
+    return {"magic": words[0], **header, "shape": shape, "error": raw[:msg_len].decode(errors="replace")}
+
+
+def needs_check(fingerprint: CallFingerprint) -> bool:
+    """Whether this call exchanges fingerprints (decided alike on every rank of a correct program)."""
+    mode = check_mode()
+    if fingerprint.error or mode == "always":
+        return True
+    if mode == "off":
+        return False
+    key = fingerprint.signature()
+    with _seen_lock:
+        if key in _seen:
+            return False
+        if len(_seen) >= _SEEN_LIMIT:
+            _seen.clear()
+        _seen.add(key)
+    return True
+
+
+def _describe(field: str, values: list[object], cur: int) -> str:
+    by_rank = ", ".join(f"{v} on rank {r}" for r, v in enumerate(values))
+    names = {"global_len": f"the full length of dim {cur} (global_len)", "cur": "the sharded input dim",
+             "tgt": "the target dim", "shape": "the shape (sharded dim as -1)", "group_hash": "the group",
+             "op": "the primitive", "local_len": "the local length"}
+    return f"{names.get(field, field)} is {by_rank}"
+
+
+def judge(op: str, table: list[list[int]], ranks: Sequence[int], chunk_sizes) -> int:  # noqa: ANN001
+    """Judge every rank's fingerprint; return the agreed full length of the input's sharded dim (-1 if none).
+
+    ``table[r]`` is the fingerprint of group rank ``r``. Raises :class:`CrossRankMismatch`
+    with the same message on every rank (the table is the same everywhere).
+    """
+    rows = [_decode(words) for words in table]
+    where = f"{op}: the {len(rows)} ranks of group {list(ranks)}"
+    if any(row["magic"] != _MAGIC for row in rows):
+        raise CrossRankMismatch(f"{where} are not running the same primitive at this point "
+                                f"(a rank entered another collective); expected every rank to call {op}")
+    failed = [(r, row["error"]) for r, row in enumerate(rows) if row["error"]]
+    if failed:
+        detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed)
+        raise CrossRankMismatch(f"{op}: rank(s) {[r for r, _ in failed]} of group {list(ranks)} rejected their "
+                                f"input before the collective, so every rank stops here. {detail}")
+    cur = int(rows[0]["cur"])
+    for field in ("op", "group_hash", "group_size", "dtype", "device", "cur", "tgt", "shape", "global_len"):
+        values = [row[field] for row in rows]
+        if any(v != values[0] for v in values):
+            if field == "op":
+                values = [_OPS[v] for v in values]  # type: ignore[index]
+            raise CrossRankMismatch(f"{where} disagree before the collective: {_describe(field, values, cur)}; "
+                                    f"expected the same on every rank")
+    if cur < 0:
+        return -1
+    local = [int(row["local_len"]) for row in rows]
+    total = int(rows[0]["global_len"])
+    if total < 0:
+        total = sum(local)
+        if local != chunk_sizes(total, len(rows)):
+            raise CrossRankMismatch(f"{op}: local lengths of dim {cur} across the group are {local}, "
+                                    f"which is not a torch.tensor_split of {total} into {len(rows)}")
+        return total
+    expected = chunk_sizes(total, len(rows))
+    wrong = [r for r in range(len(rows)) if local[r] != expected[r]]
+    if wrong:
+        r = wrong[0]
+        raise CrossRankMismatch(f"{op}: rank {r} holds {local[r]} of dim {cur}, but global_len={total} "
+                                f"split over {len(rows)} ranks gives it {expected[r]} "
+                                f"(local lengths {local}, expected {expected})")
+    return total

@@ -1,0 +1,103 @@
+"""The global length of a sharded dim, carried by the tensor that holds the shard.
+
+A rank cannot see the full length of a dim it holds a ``tensor_split`` chunk of:
+7 frames on 2 ranks and 8 frames on 2 ranks both leave rank 0 with 4. DSP needs
+that length for every switch and gather (the all-to-all's split sizes), so the
+primitives tag their outputs with a :class:`ShardSpec` — as DTensor carries its
+global shape — and read it back from their inputs. Nothing lives in per-forward,
+per-model or global state, so the primitives are re-entrant and thread-safe, and
+two forwards of different lengths can be in flight at once.
+
+A tag is a plain attribute of the tensor object. Two things drop attributes:
+
+- ``detach()`` and other aliases make a new tensor object. Reentrant activation
+  checkpointing (torch's and Megatron's) recomputes on detached inputs, so a
+  tag is also found through a live *alias* of the same memory: a tagged tensor is
+  remembered, weakly, by ``(data_ptr, storage offset, shape, stride, dtype,
+  device)``, and a tensor with exactly that view of the same memory is the same
+  shard.
+- Module code makes new tensors: a block's output is not its input. The DSP plan
+  (``dsp_plugin.models.plan``) carries the tag from a block's input to its output
+  with a forward hook (:func:`propagate`).
+
+Where neither reaches (a tensor received over a pipeline P2P, a user's own
+code), pass ``global_len=`` to the primitive, or let it ask the group (one small
+all-gather and a host sync).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["ShardSpec", "attach", "global_len_of", "propagate", "shard_spec"]
+
+_ATTR = "_dsp_shard_spec"
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """``S(dim)`` with the full length ``global_len`` of that dim (``dim`` is non-negative)."""
+
+    dim: int
+    global_len: int
+
+    def __str__(self) -> str:
+        return f"S({self.dim}) of {self.global_len}"
+
+
+# (data_ptr, storage_offset, shape, stride, dtype, device) -> the tagged tensor, weakly.
+_aliases: weakref.WeakValueDictionary[tuple[object, ...], torch.Tensor] = weakref.WeakValueDictionary()
+_lock = threading.Lock()
+
+
+def _alias_key(x: torch.Tensor) -> tuple[object, ...] | None:
+    if x.numel() == 0 or x.device.type == "meta":
+        return None  # empty tensors share data_ptr 0: no identity to key on
+    return (x.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
+
+
+def attach(x: torch.Tensor, dim: int, global_len: int) -> torch.Tensor:
+    """Tag ``x`` as holding a chunk of dim ``dim`` whose full length is ``global_len``; returns ``x``."""
+    spec = ShardSpec(dim % x.dim(), int(global_len))
+    setattr(x, _ATTR, spec)
+    key = _alias_key(x)
+    if key is not None:
+        with _lock:
+            _aliases[key] = x
+    return x
+
+
+def shard_spec(x: torch.Tensor) -> ShardSpec | None:
+    """The tag of ``x``, or of a live tensor that is exactly the same view of the same memory."""
+    spec = getattr(x, _ATTR, None)
+    if spec is not None:
+        return spec
+    key = _alias_key(x)
+    if key is None:
+        return None
+    with _lock:
+        original = _aliases.get(key)
+    return None if original is None else getattr(original, _ATTR, None)
+
+
+def global_len_of(x: torch.Tensor, dim: int) -> int | None:
+    """Full length of dim ``dim`` if ``x`` is tagged as a chunk of that dim, else None."""
+    spec = shard_spec(x)
+    return spec.global_len if spec is not None and spec.dim == dim % x.dim() else None
+
+
+def propagate(source: torch.Tensor, target: object) -> None:
+    """Tag ``target`` like ``source`` when it is plainly the same sharding (same rank, same local length).
+
+    For module outputs: a block maps ``[B, T_local, S, D]`` to a tensor of the
+    same shape, so the shard of its input is the shard of its output.
+    """
+    spec = shard_spec(source)
+    if (spec is None or not isinstance(target, torch.Tensor) or target.dim() != source.dim()
+            or target.shape[spec.dim] != source.shape[spec.dim]):
+        return
+    attach(target, spec.dim, spec.global_len)

@@ -1,0 +1,47 @@
+"""The runnable lines of docs/models.md and docs/inference.md run as printed.
+
+Python blocks are executed in one process. Shell lines that launch
+``launch/sample_latte.py`` are parsed with the script's own argument parser here
+(``tests/test_sampling_launch.py`` runs the same launches on 1, 2 and 4 processes).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("diffusers")
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ["docs/models.md", "docs/inference.md"]
+
+
+def _blocks(doc: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", (ROOT / doc).read_text(), flags=re.S)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_python_blocks_run(doc: str) -> None:
+    blocks = _blocks(doc, "python")
+    assert blocks, f"{doc} has no python block"
+    for code in blocks:
+        exec(compile(code, doc, "exec"), {"__name__": "__docs__"})  # noqa: S102 - our own docs
+
+
+def test_sample_latte_lines_parse() -> None:
+    sys.path.insert(0, str(ROOT / "launch"))
+    try:
+        import sample_latte
+    finally:
+        sys.path.remove(str(ROOT / "launch"))
+    lines = [line for block in _blocks("docs/inference.md", "bash") for line in block.splitlines()
+             if "launch/sample_latte.py" in line]
+    assert len(lines) == 4
+    for line in lines:
+        words = shlex.split(line)
+        args = sample_latte.parse_args(words[words.index("launch/sample_latte.py") + 1:])
+        assert args.frames == 7

@@ -1,0 +1,75 @@
+"""What ``initialize`` refuses, and the first-forward guard, on two real ranks.
+
+Refused before any process group of ours exists: a pipeline model. Caught by
+the guard at the first forward, with the same message on every rank and no
+rank left waiting: a model that never shards (it would train with gradients
+DSP times too large) and inputs that differ inside a DSP group. One spawn runs
+all three in turn on the same two processes, so a rank that hung in one case
+would time the whole test out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.distributed import run_distributed
+from tests.deepspeed_harness import ds_config, dsp_model, global_batch, loss_fn, make_model, setup_worker
+
+
+def guard_worker(rank: int, world_size: int) -> dict[str, Any]:
+    setup_worker(rank, world_size)
+    import deepspeed
+    import torch
+
+    from dsp_plugin.deepspeed import DSPGuardError, initialize, skip_cpu_shm_build
+    from dsp_plugin.topology import get_topology
+
+    out: dict[str, Any] = {}
+    # A PipelineModule needs DeepSpeed's communication backend, as in a real pipeline script.
+    skip_cpu_shm_build()
+    deepspeed.comm.init_distributed(dist_backend="gloo")
+    pipe = deepspeed.pipe.PipelineModule(layers=[torch.nn.Linear(2, 2)], num_stages=1)
+    try:
+        initialize(model=pipe, config=ds_config(2, 2, micro_batch=1))
+    except ValueError as exc:
+        out["pipeline"] = str(exc)
+    out["topology_after_refusal"] = get_topology()
+
+    # Stage 2: the model was never made DSP-aware (no parallelize).
+    engine, *_ = initialize(model=make_model(), config=ds_config(2, 2, micro_batch=1, optimizer={
+        "type": "SGD", "params": {"lr": 0.1}}))
+    try:
+        loss_fn(engine, global_batch(0, 1))
+    except DSPGuardError as exc:
+        out["unsharded"] = str(exc)
+    engine.destroy()
+
+    # Stage 3: a DSP-aware model, but each rank of the DSP group gets another sample.
+    engine, *_ = initialize(model=dsp_model(), config=ds_config(3, 2, micro_batch=1, optimizer={
+        "type": "SGD", "params": {"lr": 0.1}}))
+    try:
+        loss_fn(engine, global_batch(rank, 1))
+    except DSPGuardError as exc:
+        out["inputs"] = str(exc)
+    # The guard removed itself: the same engine trains on identical inputs afterwards.
+    engine.backward(loss_fn(engine, global_batch(0, 1)))
+    engine.step()
+    engine.destroy()
+    return out
+
+
+@pytest.mark.slow
+def test_refusals_and_guard_on_every_rank() -> None:
+    results = run_distributed(guard_worker, 2, timeout=300)
+    print("\n".join(results[0][key] for key in ("pipeline", "unsharded", "inputs")))
+    for rank, out in enumerate(results):
+        assert "does not support DeepSpeed's pipeline engine" in out.get("pipeline", ""), (rank, out)
+        assert out["topology_after_refusal"] is None, f"rank {rank}: groups were built before the refusal"
+        assert "the first forward issued no DSP split or switch on rank(s) [0, 1]" in out.get("unsharded", ""), \
+            (rank, out)
+        assert "training with gradients 2x too large" in out["unsharded"]
+        assert "dsp_plugin.models.parallelize(model)" in out["unsharded"]
+        assert "inputs differ inside DSP group(s) [[0, 1]]" in out.get("inputs", ""), (rank, out)
+    assert results[0]["unsharded"] == results[1]["unsharded"]

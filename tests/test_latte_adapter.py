@@ -1,0 +1,104 @@
+"""The Latte adapter equals diffusers' unmodified LatteTransformer3DModel (forward and backward).
+
+Oracle: the diffusers model itself on one process (its own forward, which shares
+no code with the adapter's sharded forward), on the same weights and batch.
+Uneven frame counts: 7 frames on 2 ranks (4+3) and 4 ranks (2+2+2+1).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+
+from dsp_plugin import reduce_gradients  # noqa: E402
+from dsp_plugin.accounting import CommAccounting  # noqa: E402
+from dsp_plugin.adapters.latte import LatteDSP  # noqa: E402
+from dsp_plugin.adapters.tiny import tiny_latte  # noqa: E402
+from tests.distributed import run_distributed  # noqa: E402
+
+LAYERS = 2
+
+
+def _batch(frames: int = 7) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(3)
+    latents = torch.randn(2, 4, frames, 8, 8, generator=g)
+    timestep = torch.randint(0, 1000, (2,), generator=g)
+    text = torch.randn(2, 5, 16, generator=g)
+    target = torch.randn(2, 8, frames, 8, 8, generator=g)
+    return latents, timestep, text, target
+
+
+def _run(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    latents, timestep, text, target = batch
+    latents = latents.clone().requires_grad_(True)
+    out = model(latents, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+    torch.nn.functional.mse_loss(out, target).backward()
+    grads = {k.removeprefix("model."): p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), latents.grad, grads
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_single_process_equals_unmodified_model() -> None:
+    reference = tiny_latte(layers=LAYERS)
+    batch = _batch()
+    out_ref, dx_ref, g_ref = _run(reference, batch)
+    out, dx, g = _run(LatteDSP(copy.deepcopy(reference)), batch)
+    assert (out - out_ref).abs().max() < 1e-5
+    assert (dx - dx_ref).abs().max() < 1e-5
+    assert _max_diff(g, g_ref) < 1e-5
+    assert len(g) == len(list(reference.parameters()))
+
+
+def _parallel(rank: int, n: int) -> dict[str, float | str]:
+    reference = tiny_latte(layers=LAYERS)
+    batch = _batch()
+    out_ref, dx_ref, g_ref = _run(reference, batch)
+    result: dict[str, float | str] = {}
+    for checkpointing in (False, True):
+        model = copy.deepcopy(reference)
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        adapter = LatteDSP(model)
+        with CommAccounting(activations=False) as acct:
+            out, dx, _ = _run(adapter, batch)
+        reduce_gradients(adapter.parameters())
+        g = {k.removeprefix("model."): p.grad for k, p in adapter.named_parameters()}
+        tag = "ckpt_" if checkpointing else ""
+        result |= {f"{tag}out": (out - out_ref).abs().max().item(), f"{tag}dx": (dx - dx_ref).abs().max().item(),
+                   f"{tag}grads": _max_diff(g, g_ref)}
+        if not checkpointing:
+            result |= {"fwd_all_to_all": acct.count("all_to_all", "forward"),
+                       "fwd_all_gather": acct.count("all_gather", "forward")}
+    # bad input is caught before any collective, on every rank, so the group stays usable
+    try:
+        LatteDSP(tiny_latte(frames=n - 1, layers=1))(*_batch(frames=n - 1)[:1], timestep=batch[1],
+                                                     encoder_hidden_states=batch[2])
+    except ValueError as exc:
+        result["too_few_frames"] = str(exc)
+    return result
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_parallel_equals_unmodified_model_uneven_frames(n: int) -> None:
+    """7 frames on 2 and 4 ranks, with and without the model's own gradient checkpointing."""
+    for rank, d in enumerate(run_distributed(_parallel, n)):
+        print(f"n={n} rank {rank}: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items() if isinstance(v, float)))
+        for key in ("out", "dx", "grads", "ckpt_out", "ckpt_dx", "ckpt_grads"):
+            assert d[key] < 1e-5, f"rank {rank}/{n}: {key} differs by {d[key]:.3g}"
+        # two switches per layer (the last one back to frames for the output stage); one exit gather
+        assert d["fwd_all_to_all"] == 2 * LAYERS, d
+        assert d["fwd_all_gather"] == 1, d
+        assert f"frames={n - 1} is smaller than the DSP size {n}" in d.get("too_few_frames", ""), d
+
+
+def test_rejects_other_models() -> None:
+    with pytest.raises(TypeError, match="expected a diffusers LatteTransformer3DModel, got Linear"):
+        LatteDSP(torch.nn.Linear(2, 2))
