@@ -31,6 +31,10 @@ gather, scatter     what leaves this rank                      what arrives
 send, recv          the tensor's bytes (sender)                (receiver)
 ==================  =========================================  ===================
 
+The cross-rank fingerprint exchange of ``dsp_plugin.checks`` (``checks.exchanging()``) is
+recorded with ``phase="check"``, so a model's forward/backward counts do not change with the
+check mode.
+
 Each record names its group by the global ranks in it (``group_ranks``) and by
 ``group_name``, not only by its size.
 
@@ -47,6 +51,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dsp_plugin.checks import exchanging
 from dsp_plugin.collective_bytes import NAMESPACES, OPS
 
 __all__ = ["CollectiveRecord", "CommAccounting"]
@@ -60,7 +65,7 @@ class CollectiveRecord:
     bytes_sent: int
     bytes_received: int
     group_size: int
-    phase: str  # "forward" or "backward" (inside autograd's backward pass)
+    phase: str  # "forward", "backward" (inside autograd's backward pass) or "check" (dsp_plugin.checks)
     group_ranks: tuple[int, ...] = ()  # global ranks of the group, in group-rank order
     group_name: str = ""
     source: str = ""  # the dispatcher operator, e.g. "c10d.allreduce_" or "_c10d_functional.all_reduce"
@@ -121,7 +126,10 @@ class _Recorder(TorchDispatchMode):
             sent, received = count(bound, n, rank)
         except Exception:  # noqa: BLE001 - an argument form we do not parse: still count the call
             sent, received = -1, -1
-        phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        if exchanging.active():  # dsp_plugin.checks' fingerprint exchange, not the model's traffic
+            phase = "check"
+        else:
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
         return CollectiveRecord(op, sent, received, n, phase, _ranks(pg), pg.group_name, key)
 
 

@@ -36,6 +36,8 @@ def _ddp_and_groups(rank: int, n: int) -> dict[str, object]:
                                         dist.P2POp(dist.irecv, torch.empty(3), peer)])
         for work in works:
             work.wait()
+    with CommAccounting(activations=False) as checked:   # a new signature: the ranks agree on it first
+        dynamic_switch(torch.randn(2, 3, 6, 4), 1, 2, global_len=6)
     set_topology(None)
     records = [(r.op, r.phase, getattr(r, "group_ranks", None), r.bytes_sent, r.bytes_received)
                for r in acct.records]
@@ -43,7 +45,8 @@ def _ddp_and_groups(rank: int, n: int) -> dict[str, object]:
             "dp": tuple(dist.get_process_group_ranks(topo.dp_group)),
             "dsp": tuple(dist.get_process_group_ranks(topo.dsp_group)),
             "dp_selected": acct.count("all_reduce", group=topo.dp_group),
-            "by_group": acct.by_group(), "inner": [r.op for r in inner.records]}
+            "by_group": acct.by_group(), "inner": [r.op for r in inner.records],
+            "checked": [(r.op, r.phase) for r in checked.records]}
 
 
 def test_ddp_functional_and_p2p_collectives_are_counted_with_their_group_ranks() -> None:
@@ -69,6 +72,8 @@ def test_ddp_functional_and_p2p_collectives_are_counted_with_their_group_ranks()
         assert res["by_group"][dp]["bytes_sent"] == 60
         assert res["by_group"][dsp]["count"] == 2
         assert res["inner"] == ["all_to_all"]
+        # dsp_plugin.checks' fingerprint exchange is labelled, apart from the model's traffic
+        assert res["checked"] == [("all_gather", "check"), ("all_to_all", "forward")]
 
 
 def test_nothing_in_torch_is_patched() -> None:
