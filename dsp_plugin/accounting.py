@@ -1,15 +1,22 @@
 """Count every collective and every saved-for-backward byte inside a ``with`` block.
 
-Collectives are caught where all of torch.distributed's Python API ends: the
-methods of ``ProcessGroup`` (``group.all_to_all_single(...)``,
-``group.all_gather_single(...)``, ...). Patching there rather than the
-``torch.distributed`` functions also catches libraries that bound those
-functions early (DeepSpeed keeps ``all_gather_into_tensor`` in an attribute),
-so DSP, DeepSpeed, Megatron and our baselines are all measured the same way.
-Functional collectives (``torch.distributed._functional_collectives``) do not
-pass through these methods and are not counted.
+Collectives are caught at the dispatcher, with a ``TorchDispatchMode``: every
+``torch.distributed`` call, every ``ProcessGroup`` method and every C++ caller
+(DDP's reducer, which all-reduces gradient buckets from C++) ends in one of the
+``c10d::*`` operators (``ProcessGroup.hpp`` dispatches them), and functional
+collectives (``torch.distributed._functional_collectives``) are the
+``_c10d_functional::*`` operators. Each is recorded once, where it enters the
+dispatcher, so DSP, DeepSpeed, Megatron, torch DDP and our baselines are all
+measured the same way, and nothing in torch is patched. (torch's own
+``CommDebugMode`` is the same idea but counts calls only: no bytes, no group.)
 
-Bytes are per rank and logical, the convention of the paper's Table 3:
+A dispatch mode is per thread and follows autograd into its engine threads;
+collectives that another thread issues on its own (not through autograd) are not
+seen. Every op inside the block passes through the mode, which costs a few
+microseconds per op: measure time outside the block.
+
+Bytes are per rank and logical, the convention of the paper's Table 3 (counters in
+``dsp_plugin.collective_bytes``):
 
 ==================  =========================================  ===================
 op                  bytes_sent                                 bytes_received
@@ -18,8 +25,18 @@ all_to_all          input minus the block kept by this rank    output minus it
 all_gather          input * (N - 1)                            output - input
 reduce_scatter      input - output                             input - output
 all_reduce          2 * bytes * (N - 1) / N  (ring)            same
-broadcast, send     the tensor's bytes (sender)                (receivers)
+broadcast           the tensor's bytes (root)                  (the other ranks)
+reduce              the tensor's bytes (non-root ranks)        (N - 1) * bytes (root)
+gather, scatter     what leaves this rank                      what arrives
+send, recv          the tensor's bytes (sender)                (receiver)
 ==================  =========================================  ===================
+
+The cross-rank fingerprint exchange of ``dsp_plugin.checks`` (``checks.exchanging()``) is
+recorded with ``phase="check"``, so a model's forward/backward counts do not change with the
+check mode.
+
+Each record names its group by the global ranks in it (``group_ranks``) and by
+``group_name``, not only by its size.
 
 Saved activations are measured with ``torch.autograd.graph.saved_tensors_hooks``:
 the bytes of every distinct storage that autograd saves for backward inside the
@@ -28,13 +45,14 @@ block, leaves (parameters, inputs) excluded.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import ProcessGroup
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsp_plugin.checks import exchanging
+from dsp_plugin.collective_bytes import NAMESPACES, OPS
 
 __all__ = ["CollectiveRecord", "CommAccounting"]
 
@@ -47,125 +65,72 @@ class CollectiveRecord:
     bytes_sent: int
     bytes_received: int
     group_size: int
-    phase: str  # "forward" or "backward" (inside autograd's backward pass)
+    phase: str  # "forward", "backward" (inside autograd's backward pass) or "check" (dsp_plugin.checks)
+    group_ranks: tuple[int, ...] = ()  # global ranks of the group, in group-rank order
+    group_name: str = ""
+    source: str = ""  # the dispatcher operator, e.g. "c10d.allreduce_" or "_c10d_functional.all_reduce"
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors(item)
+def _bind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The operator's arguments by schema name (defaults filled in)."""
+    bound = dict(kwargs)
+    for i, arg in enumerate(func._schema.arguments):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name not in bound and arg.has_default_value():
+            bound[arg.name] = arg.default_value
+    return bound
 
 
-def _nbytes(obj: Any) -> int:
-    return sum(t.numel() * t.element_size() for t in _tensors(obj))
+def _group(bound: dict[str, Any]) -> Any:
+    """The ProcessGroup of a c10d operator (a boxed ScriptObject) or of a functional one (its name)."""
+    from torch._C._distributed_c10d import ProcessGroup, _resolve_process_group
+
+    if "process_group" in bound:
+        return ProcessGroup.unbox(bound["process_group"])
+    return _resolve_process_group(bound["group_name"])
 
 
-def _alltoall_single(pg: ProcessGroup, output: torch.Tensor, input: torch.Tensor,
-                     output_splits: list[int] | None = None, input_splits: list[int] | None = None,
-                     *_: Any) -> tuple[int, int]:
-    n, rank = pg.size(), pg.rank()
-    row_in = _nbytes(input) // max(input.shape[0], 1) if input.dim() else 0
-    row_out = _nbytes(output) // max(output.shape[0], 1) if output.dim() else 0
-    in_splits = list(input_splits or []) or [input.shape[0] // n] * n
-    out_splits = list(output_splits or []) or [output.shape[0] // n] * n
-    return _nbytes(input) - in_splits[rank] * row_in, _nbytes(output) - out_splits[rank] * row_out
+def _ranks(pg: Any) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    try:
+        return tuple(dist.get_process_group_ranks(pg))
+    except (ValueError, KeyError, RuntimeError):  # a group torch.distributed did not register
+        return ()
 
 
-def _alltoall_list(pg: ProcessGroup, outputs: list, inputs: list, *_: Any) -> tuple[int, int]:
-    rank = pg.rank()
-    return _nbytes(inputs) - _nbytes(inputs[rank]), _nbytes(outputs) - _nbytes(outputs[rank])
+class _Recorder(TorchDispatchMode):
+    """The dispatch mode: records the collectives that reach the dispatcher, then runs them unchanged."""
 
+    def __init__(self, owner: CommAccounting) -> None:
+        super().__init__()
+        self.owner = owner
 
-def _allgather(pg: ProcessGroup, output: Any, input: Any, *_: Any) -> tuple[int, int]:
-    sent = _nbytes(input)
-    return sent * (pg.size() - 1), _nbytes(output) - sent
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "namespace", None) in NAMESPACES:
+            key = f"{func.namespace}.{func._schema.name.partition('::')[2]}"
+            if key in OPS:
+                self.owner.records.append(self._record(key, func, args, kwargs))
+        return func(*args, **kwargs)
 
-
-def _reduce_scatter(pg: ProcessGroup, output: Any, input: Any, *_: Any) -> tuple[int, int]:
-    moved = _nbytes(input) - _nbytes(output)
-    return moved, moved
-
-
-def _allreduce(pg: ProcessGroup, tensors: Any, *_: Any) -> tuple[int, int]:
-    n = pg.size()
-    moved = 2 * _nbytes(tensors) * (n - 1) // n
-    return moved, moved
-
-
-def _rooted(pg: ProcessGroup, tensors: Any, opts: Any = None, *_: Any) -> tuple[int, int]:
-    size = _nbytes(tensors)
-    root = getattr(opts, "rootRank", 0)
-    return (size, 0) if pg.rank() == root else (0, size)
-
-
-def _send(pg: ProcessGroup, tensors: Any, *_: Any) -> tuple[int, int]:
-    return _nbytes(tensors), 0
-
-
-def _recv(pg: ProcessGroup, tensors: Any, *_: Any) -> tuple[int, int]:
-    return 0, _nbytes(tensors)
-
-
-def _nothing(pg: ProcessGroup, *_: Any, **__: Any) -> tuple[int, int]:
-    return 0, 0
-
-
-#: ProcessGroup method -> (op name in records, byte counter)
-_METHODS: dict[str, tuple[str, Callable[..., tuple[int, int]]]] = {
-    "all_to_all_single": ("all_to_all", _alltoall_single),
-    "alltoall_base": ("all_to_all", _alltoall_single),
-    "alltoall": ("all_to_all", _alltoall_list),
-    "all_gather_single": ("all_gather", _allgather),
-    "_allgather_base": ("all_gather", _allgather),
-    "allgather": ("all_gather", _allgather),
-    "allgather_coalesced": ("all_gather", _allgather),
-    "allgather_into_tensor_coalesced": ("all_gather", _allgather),
-    "all_gather_single_coalesced": ("all_gather", _allgather),
-    "reduce_scatter_single": ("reduce_scatter", _reduce_scatter),
-    "_reduce_scatter_base": ("reduce_scatter", _reduce_scatter),
-    "reduce_scatter": ("reduce_scatter", _reduce_scatter),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", _reduce_scatter),
-    "reduce_scatter_single_coalesced": ("reduce_scatter", _reduce_scatter),
-    "allreduce": ("all_reduce", _allreduce),
-    "allreduce_coalesced": ("all_reduce", _allreduce),
-    "broadcast": ("broadcast", _rooted),
-    "reduce": ("reduce", _rooted),
-    "gather": ("gather", _rooted),
-    "scatter": ("scatter", _rooted),
-    "send": ("send", _send),
-    "recv": ("recv", _recv),
-    "recv_anysource": ("recv", _recv),
-    "barrier": ("barrier", _nothing),
-}
-
-_lock = threading.Lock()
-_active: list[CommAccounting] = []
-_originals: dict[str, Callable[..., Any]] = {}
-_local = threading.local()
-
-
-def _wrap(method: str, op: str, count: Callable[..., tuple[int, int]]) -> Callable[..., Any]:
-    original = getattr(ProcessGroup, method)
-
-    def wrapper(self: ProcessGroup, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_local, "depth", 0) == 0 and _active:
-            try:
-                sent, received = count(self, *args, **kwargs)
-            except Exception:  # an overload we do not parse: still count the call
-                sent, received = -1, -1
-            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
-            record = CollectiveRecord(op, sent, received, self.size(), phase)
-            for acct in _active:
-                acct.records.append(record)
-        _local.depth = getattr(_local, "depth", 0) + 1
+    @staticmethod
+    def _record(key: str, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CollectiveRecord:
+        op, count = OPS[key]
+        bound = _bind(func, args, kwargs)
+        pg = _group(bound)
+        n, rank = pg.size(), pg.rank()
         try:
-            return original(self, *args, **kwargs)
-        finally:
-            _local.depth -= 1
-
-    return wrapper
+            sent, received = count(bound, n, rank)
+        except Exception:  # noqa: BLE001 - an argument form we do not parse: still count the call
+            sent, received = -1, -1
+        if exchanging.active():  # dsp_plugin.checks' fingerprint exchange, not the model's traffic
+            phase = "check"
+        else:
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+        return CollectiveRecord(op, sent, received, n, phase, _ranks(pg), pg.group_name, key)
 
 
 class CommAccounting:
@@ -174,6 +139,8 @@ class CommAccounting:
     >>> with CommAccounting() as acct:
     ...     y = model(x); y.sum().backward()
     >>> acct.count("all_to_all", phase="forward"), acct.bytes_sent("all_to_all")
+
+    Blocks nest: each records everything issued inside it.
     """
 
     def __init__(self, *, activations: bool = True) -> None:
@@ -182,18 +149,12 @@ class CommAccounting:
         self._storages: set[int] = set()
         self._activations = activations
         self._hooks: Any = None
+        self._mode: _Recorder | None = None
 
     # -- collectives -------------------------------------------------------
     def __enter__(self) -> CommAccounting:
-        with _lock:
-            if not _active:
-                for method, (op, count) in _METHODS.items():
-                    if method in vars(ProcessGroup):
-                        # keep the raw descriptor: getattr would hand back pybind's unbound
-                        # function, which no longer binds `self` once set on the class again
-                        _originals[method] = vars(ProcessGroup)[method]
-                        setattr(ProcessGroup, method, _wrap(method, op, count))
-            _active.append(self)
+        self._mode = _Recorder(self)
+        self._mode.__enter__()
         if self._activations:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
             self._hooks.__enter__()
@@ -203,12 +164,9 @@ class CommAccounting:
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self._hooks = None
-        with _lock:
-            _active.remove(self)
-            if not _active:
-                for method, original in _originals.items():
-                    setattr(ProcessGroup, method, original)
-                _originals.clear()
+        if self._mode is not None:
+            self._mode.__exit__(*exc)
+            self._mode = None
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if not (t.is_leaf and t.requires_grad):
@@ -219,23 +177,37 @@ class CommAccounting:
         return t
 
     # -- queries -----------------------------------------------------------
-    def select(self, op: str | None = None, phase: str | None = None) -> list[CollectiveRecord]:
-        return [r for r in self.records if (op is None or r.op == op) and (phase is None or r.phase == phase)]
+    def select(self, op: str | None = None, phase: str | None = None,
+               group: Any = None) -> list[CollectiveRecord]:
+        """Records matching ``op``, ``phase`` and ``group`` (a ProcessGroup or its global ranks)."""
+        ranks = None if group is None else tuple(group) if isinstance(group, (list, tuple)) else _ranks(group)
+        return [r for r in self.records if (op is None or r.op == op) and (phase is None or r.phase == phase)
+                and (ranks is None or r.group_ranks == ranks)]
 
-    def count(self, op: str | None = None, phase: str | None = None) -> int:
-        return len(self.select(op, phase))
+    def count(self, op: str | None = None, phase: str | None = None, group: Any = None) -> int:
+        return len(self.select(op, phase, group))
 
-    def bytes_sent(self, op: str | None = None, phase: str | None = None) -> int:
-        return sum(r.bytes_sent for r in self.select(op, phase))
+    def bytes_sent(self, op: str | None = None, phase: str | None = None, group: Any = None) -> int:
+        return sum(r.bytes_sent for r in self.select(op, phase, group))
 
-    def bytes_received(self, op: str | None = None, phase: str | None = None) -> int:
-        return sum(r.bytes_received for r in self.select(op, phase))
+    def bytes_received(self, op: str | None = None, phase: str | None = None, group: Any = None) -> int:
+        return sum(r.bytes_received for r in self.select(op, phase, group))
 
     def summary(self) -> dict[str, dict[str, int]]:
         """``{"all_to_all/forward": {"count": 3, "bytes_sent": ..., "bytes_received": ...}, ...}``."""
         out: dict[str, dict[str, int]] = {}
         for r in self.records:
             row = out.setdefault(f"{r.op}/{r.phase}", {"count": 0, "bytes_sent": 0, "bytes_received": 0})
+            row["count"] += 1
+            row["bytes_sent"] += r.bytes_sent
+            row["bytes_received"] += r.bytes_received
+        return out
+
+    def by_group(self) -> dict[tuple[int, ...], dict[str, int]]:
+        """``{group ranks: {"count", "bytes_sent", "bytes_received"}}``: which group carried the traffic."""
+        out: dict[tuple[int, ...], dict[str, int]] = {}
+        for r in self.records:
+            row = out.setdefault(r.group_ranks, {"count": 0, "bytes_sent": 0, "bytes_received": 0})
             row["count"] += 1
             row["bytes_sent"] += r.bytes_sent
             row["bytes_received"] += r.bytes_received

@@ -55,15 +55,26 @@ def test_bad_arguments() -> None:
         dsp_dataloader([1, 2, 3], batch_size=1)  # type: ignore[arg-type]
 
 
-def _per_rank_batches(rank: int, n: int) -> list[list[list[float]]]:
+def _per_rank_batches(rank: int, n: int) -> dict[int, list[list[list[float]]]]:
     set_topology(Topology.build(dsp=2))           # 4 ranks: dsp 2 x dp 2
-    loader = dsp_dataloader(DataLoader(Indexed(), batch_size=2, shuffle=True, num_workers=1), seed=7)
-    return [batch.tolist() for batch in loader]
+    torch.manual_seed(100 + rank)                 # every process's own RNG state differs
+    out = {}
+    for workers in (0, 1):
+        loader = dsp_dataloader(DataLoader(Indexed(), batch_size=2, shuffle=True, num_workers=workers), seed=7)
+        out[workers] = [batch.tolist() for batch in loader]
+    set_topology(None)
+    return out
 
 
-def test_dsp_group_identical_dp_disjoint() -> None:
-    batches = run_distributed(_per_rank_batches, 4)
-    # ranks 0,1 form a DSP group (dp 0), ranks 2,3 another (dp 1)
-    assert batches[0] == batches[1] and batches[2] == batches[3]   # random draws in workers agree too
-    ids = [{int(s[0]) for b in batches[r] for s in b} for r in (0, 2)]
-    assert ids[0].isdisjoint(ids[1]) and ids[0] | ids[1] == set(range(22))
+def test_dsp_group_identical_dp_disjoint_and_differently_drawn() -> None:
+    per_rank = run_distributed(_per_rank_batches, 4)
+    for workers in (0, 1):
+        batches = [r[workers] for r in per_rank]
+        # ranks 0,1 form a DSP group (dp 0), ranks 2,3 another (dp 1): same samples, same random draws
+        assert batches[0] == batches[1] and batches[2] == batches[3], workers
+        ids = [{int(s[0]) for b in batches[r] for s in b} for r in (0, 2)]
+        assert ids[0].isdisjoint(ids[1]) and ids[0] | ids[1] == set(range(22))   # 22 = 2 x 11: no padding
+        draws = [[s[1] for b in batches[r] for s in b] for r in (0, 2)]
+        assert set(draws[0]).isdisjoint(draws[1]), workers                    # DP replicas draw differently
+    # and the draws do not depend on the number of workers
+    assert per_rank[0][0] == per_rank[0][1]
