@@ -32,8 +32,8 @@ send, recv          the tensor's bytes (sender)                (receiver)
 ==================  =========================================  ===================
 
 The cross-rank fingerprint exchange of ``dsp_plugin.checks`` (``checks.exchanging()``) is
-recorded with ``phase="check"``, so a model's forward/backward counts do not change with the
-check mode.
+recorded with ``phase="check"`` in ``check_records``, not in ``records``, so a model's counts
+and bytes do not change with the check mode.
 
 Each record names its group by the global ranks in it (``group_ranks``) and by
 ``group_name``, not only by its size.
@@ -113,7 +113,8 @@ class _Recorder(TorchDispatchMode):
         if getattr(func, "namespace", None) in NAMESPACES:
             key = f"{func.namespace}.{func._schema.name.partition('::')[2]}"
             if key in OPS:
-                self.owner.records.append(self._record(key, func, args, kwargs))
+                record = self._record(key, func, args, kwargs)
+                (self.owner.check_records if record.phase == "check" else self.owner.records).append(record)
         return func(*args, **kwargs)
 
     @staticmethod
@@ -145,6 +146,7 @@ class CommAccounting:
 
     def __init__(self, *, activations: bool = True) -> None:
         self.records: list[CollectiveRecord] = []
+        self.check_records: list[CollectiveRecord] = []  # dsp_plugin.checks' exchanges, kept apart
         self.saved_activation_bytes = 0
         self._storages: set[int] = set()
         self._activations = activations

@@ -89,7 +89,7 @@ def _collective_counts(rank: int, n: int) -> dict[str, object]:
     dist.barrier()
     return {
         "after": total.item(),
-        "first": [r.op for r in first.records],
+        "first": [(r.op, r.phase) for r in first.check_records + first.records],
         "records": [(r.op, r.phase) for r in acct.records],
         "sent": acct.bytes_sent("all_to_all", "forward"),
         "received": acct.bytes_received("all_to_all", "forward"),
@@ -103,7 +103,8 @@ def test_switch_is_one_all_to_all_each_way() -> None:
     t_sizes = [2, 2, 2, 1]    # tensor_split(7, 4)
     s_sizes = [4, 3, 3, 3]    # tensor_split(13, 4)
     for rank, res in enumerate(results):
-        assert res["first"] == ["all_gather", "all_to_all"]   # the fingerprint exchange, then the switch
+        # the fingerprint exchange (kept apart in check_records), then the switch
+        assert res["first"] == [("all_gather", "check"), ("all_to_all", "forward")]
         assert res["records"] == [("all_to_all", "forward"), ("all_to_all", "backward")]
         assert res["after"] == n
         # rank sends its T-chunk of every other rank's S-chunk
