@@ -40,8 +40,8 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -269,15 +269,26 @@ def _switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.Proc
       recv block i from rank i                 -> [.., c_i, .., t_rank, ..]
       out  [.., C_full, .., t_rank, ..] = recv blocks concatenated along cur
     """
-    send, send_splits = split_blocks(x, tgt, n)
-    block_shape = list(x.shape)
-    block_shape[tgt] = chunk_sizes(x.shape[tgt], n)[rank]
-    cur_sizes = chunk_sizes(cur_full, n)
-    per_cur_row = math.prod(s for d, s in enumerate(block_shape) if d != cur)
-    recv_splits = None if len(set(cur_sizes)) == 1 else [per_cur_row * c for c in cur_sizes]
-    recv = x.new_empty(per_cur_row * cur_full)
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits, group=group)
-    return join_blocks(recv, block_shape, cur, cur_sizes, fold_for=fold_for)
+    plan = _SwitchBuffers(x, cur, tgt, cur_full, n, rank)
+    dist.all_to_all_single(plan.recv, plan.send, output_split_sizes=plan.recv_splits,
+                           input_split_sizes=plan.send_splits, group=group)
+    return plan.unpack(fold_for)
+
+
+class _SwitchBuffers:
+    """The packed send buffer of ``x`` for S(cur) -> S(tgt), the receive buffer, and their split sizes."""
+
+    def __init__(self, x: torch.Tensor, cur: int, tgt: int, cur_full: int, n: int, rank: int) -> None:
+        self.send, self.send_splits = split_blocks(x, tgt, n)
+        self.block_shape = list(x.shape)
+        self.block_shape[tgt] = chunk_sizes(x.shape[tgt], n)[rank]
+        self.cur, self.cur_sizes = cur, chunk_sizes(cur_full, n)
+        per_cur_row = math.prod(s for d, s in enumerate(self.block_shape) if d != cur)
+        self.recv_splits = None if len(set(self.cur_sizes)) == 1 else [per_cur_row * c for c in self.cur_sizes]
+        self.recv = x.new_empty(per_cur_row * cur_full)
+
+    def unpack(self, fold_for: int | None = None) -> torch.Tensor:
+        return join_blocks(self.recv, self.block_shape, self.cur, self.cur_sizes, fold_for=fold_for)
 
 
 # ---------------------------------------------------------------------------
@@ -377,6 +388,40 @@ def gather(x: torch.Tensor, cur_shard: int, *, group: dist.ProcessGroup | None =
     return _Gather.apply(x, dim, full, group, n, rank)
 
 
+def _prepare_switch(name: str, x: object, cur_shard: object, tgt_shard: object,
+                    group: dist.ProcessGroup | None, global_len: object,
+                    options: Callable[[torch.Tensor], Any]) -> tuple[Any, ...] | None:
+    """Check a switch's arguments and agree with the group; None on a group of size 1.
+
+    Returns ``(cur, tgt, cur_full, group, n, rank, options(x))``. ``options``
+    checks the caller's own arguments; its errors travel like the others.
+    """
+    group, n, rank = _member(name, group)
+    error, cur, tgt, known, extra = None, -1, -1, None, None
+    try:
+        x = _check_tensor(name, x)
+        cur = _normalize_dim(name, "cur_shard", cur_shard, x.dim())
+        tgt = _normalize_dim(name, "tgt_shard", tgt_shard, x.dim())
+        if cur == tgt:
+            raise ValueError(f"{name}: cur_shard={cur_shard} equals tgt_shard={tgt_shard} "
+                             f"(both are dim {cur} of a {x.dim()}-dim tensor); expected two different dims")
+        extra = options(x)
+        known = _check_global_len(name, global_len)
+    except (TypeError, ValueError) as exc:
+        if n == 1:
+            raise
+        error = exc
+    if n == 1:
+        return None
+    if known is None and error is None:
+        known = layout.global_len_of(x, cur)  # type: ignore[arg-type]
+    # the fingerprint names the collective's primitive: both callers issue a switch
+    cur_full = _agree("dynamic_switch", x, cur=cur, tgt=tgt, known_len=known, group=group, n=n, rank=rank,
+                      error=error)
+    _count_sharded_call()
+    return cur, tgt, cur_full, group, n, rank, extra
+
+
 def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
                    group: dist.ProcessGroup | None = None, global_len: int | None = None,
                    fold_for: int | None = None) -> torch.Tensor:
@@ -390,29 +435,13 @@ def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
     (``dsp_plugin.packing.join_blocks``). Backward is the switch with the two
     dims exchanged. A size-1 group returns ``x``.
     """
-    group, n, rank = _member("dynamic_switch", group)
-    error, cur, tgt, known = None, -1, -1, None
-    try:
-        x = _check_tensor("dynamic_switch", x)
-        cur = _normalize_dim("dynamic_switch", "cur_shard", cur_shard, x.dim())
-        tgt = _normalize_dim("dynamic_switch", "tgt_shard", tgt_shard, x.dim())
-        if cur == tgt:
-            raise ValueError(f"dynamic_switch: cur_shard={cur_shard} equals tgt_shard={tgt_shard} "
-                             f"(both are dim {cur} of a {x.dim()}-dim tensor); expected two different dims")
-        if fold_for is not None:
-            fold_for = _normalize_dim("dynamic_switch", "fold_for", fold_for, x.dim())
-        known = _check_global_len("dynamic_switch", global_len)
-    except (TypeError, ValueError) as exc:
-        if n == 1:
-            raise
-        error = exc
-    if n == 1:
+    def options(x: torch.Tensor) -> int | None:
+        return None if fold_for is None else _normalize_dim("dynamic_switch", "fold_for", fold_for, x.dim())
+
+    call = _prepare_switch("dynamic_switch", x, cur_shard, tgt_shard, group, global_len, options)
+    if call is None:
         return x
-    if known is None and error is None:
-        known = layout.global_len_of(x, cur)
-    cur_full = _agree("dynamic_switch", x, cur=cur, tgt=tgt, known_len=known, group=group, n=n, rank=rank,
-                      error=error)
-    _count_sharded_call()
+    cur, tgt, cur_full, group, n, rank, fold_for = call
     out = _Switch.apply(x, cur, tgt, cur_full, group, n, rank, fold_for)
     return layout.attach(out, tgt, x.shape[tgt])
 
@@ -427,20 +456,14 @@ class _SwitchStart(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, cur, tgt, cur_full, group, n, rank, pending):  # type: ignore[override]
-        send, send_splits = split_blocks(x, tgt, n)
-        block_shape = list(x.shape)
-        block_shape[tgt] = chunk_sizes(x.shape[tgt], n)[rank]
-        cur_sizes = chunk_sizes(cur_full, n)
-        per_cur_row = math.prod(s for d, s in enumerate(block_shape) if d != cur)
-        recv_splits = None if len(set(cur_sizes)) == 1 else [per_cur_row * c for c in cur_sizes]
-        recv = x.new_empty(per_cur_row * cur_full)
-        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
-                                      group=group, async_op=True)
-        pending.update(work=work, send=send, block_shape=block_shape, cur_sizes=cur_sizes)
+        plan = _SwitchBuffers(x, cur, tgt, cur_full, n, rank)
+        work = dist.all_to_all_single(plan.recv, plan.send, output_split_sizes=plan.recv_splits,
+                                      input_split_sizes=plan.send_splits, group=group, async_op=True)
+        pending.update(work=work, plan=plan)
         ctx.group, ctx.n, ctx.tgt = group, n, tgt
-        ctx.splits = (send_splits, recv_splits)
+        ctx.splits = (plan.send_splits, plan.recv_splits)
         ctx.x_shape = list(x.shape)
-        return recv
+        return plan.recv
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -458,9 +481,9 @@ class _SwitchFinish(torch.autograd.Function):
     @staticmethod
     def forward(ctx, recv, cur, n, pending):  # type: ignore[override]
         pending.pop("work").wait()
-        pending.pop("send")
+        plan = pending.pop("plan")          # its send buffer may be freed from here on
         ctx.cur, ctx.n = cur, n
-        return join_blocks(recv, pending["block_shape"], cur, pending["cur_sizes"])
+        return join_blocks(recv, plan.block_shape, cur, plan.cur_sizes)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -481,31 +504,20 @@ def switch_apply(x: torch.Tensor, fn, cur_shard: int, tgt_shard: int, *, chunks:
     is correct but not overlapped, and not differentiable twice (use
     ``dynamic_switch`` for a gradient penalty).
     """
-    group, n, rank = _member("switch_apply", group)
-    error, cur, tgt, known = None, -1, -1, None
-    try:
-        x = _check_tensor("switch_apply", x)
-        cur = _normalize_dim("switch_apply", "cur_shard", cur_shard, x.dim())
-        tgt = _normalize_dim("switch_apply", "tgt_shard", tgt_shard, x.dim())
+    def options(x: torch.Tensor) -> int:
         batch = _normalize_dim("switch_apply", "chunk_dim", chunk_dim, x.dim())
-        chunks = _as_int("switch_apply", "chunks", chunks)
-        if len({cur, tgt, batch}) < 3:
-            raise ValueError(f"switch_apply: cur_shard={cur_shard}, tgt_shard={tgt_shard} and chunk_dim={chunk_dim} "
-                             f"must be three different dims")
-        if not 1 <= chunks:
+        if _as_int("switch_apply", "chunks", chunks) < 1:
             raise ValueError(f"switch_apply: chunks={chunks}; expected a positive int")
-        known = _check_global_len("switch_apply", global_len)
-    except (TypeError, ValueError) as exc:
-        if n == 1:
-            raise
-        error = exc
-    if n == 1:
+        if batch in (_normalize_dim("switch_apply", "cur_shard", cur_shard, x.dim()),
+                     _normalize_dim("switch_apply", "tgt_shard", tgt_shard, x.dim())):
+            raise ValueError(f"switch_apply: chunk_dim={chunk_dim} is one of the shard dims "
+                             f"({cur_shard}, {tgt_shard}); expected a batch dim")
+        return batch
+
+    call = _prepare_switch("switch_apply", x, cur_shard, tgt_shard, group, global_len, options)
+    if call is None:
         return fn(x)
-    if known is None and error is None:
-        known = layout.global_len_of(x, cur)
-    cur_full = _agree("dynamic_switch", x, cur=cur, tgt=tgt, known_len=known, group=group, n=n, rank=rank,
-                      error=error)
-    _count_sharded_call()
+    cur, tgt, cur_full, group, n, rank, batch = call
     pieces = [p for p in x.tensor_split(chunks, dim=batch) if p.shape[batch] > 0]
 
     def start(piece: torch.Tensor) -> tuple[torch.Tensor, dict]:

@@ -8,37 +8,16 @@
 
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron.core import parallel_state as ps  # noqa: E402
-
 from tests.distributed import run_distributed  # noqa: E402
+from tests.megatron_fixtures import one_rank  # noqa: E402,F401 - a pytest fixture
 from tests.megatron_compositions import SEED, TEXT_DIM, TEXT_LEN, VIDEO, tiny_config  # noqa: E402
 from tests.megatron_example import run_example  # noqa: E402
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
-                                             rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-        try:
-            ps.initialize_model_parallel(create_gloo_process_groups=False)
-            yield
-        finally:
-            ps.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
 
 
 def test_oracle_megatron_model_equals_plain_torch_stdit(one_rank: None) -> None:

@@ -7,43 +7,24 @@ size 1, run bf16 and FP8 (TE fp8 autocast) and print the layer throughput.
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
 import os
 import subprocess
-import tempfile
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 
-from megatron.core import parallel_state as ps  # noqa: E402
 from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 from dsp_plugin.megatron.cpu import cuda_shim  # noqa: E402
 from dsp_plugin.megatron.layers import SDPACoreAttention, dsp_layer_spec, te_available  # noqa: E402
+from tests.megatron_fixtures import one_rank  # noqa: E402,F401 - a pytest fixture
 
 needs_te = pytest.mark.skipif(not (torch.cuda.is_available() and te_available()),
                               reason="Transformer Engine needs CUDA; this machine has none")
-
-
-@pytest.fixture
-def one_rank() -> Iterator[None]:
-    """A 1-rank gloo world with parallel_state initialised; torn down whatever happens."""
-    if torch.distributed.is_initialized():
-        pytest.skip("a process group is already initialised in this process")
-    with tempfile.TemporaryDirectory() as tmp:
-        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
-                                             rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-        try:
-            ps.initialize_model_parallel(create_gloo_process_groups=False)
-            yield
-        finally:
-            ps.destroy_model_parallel()
-            torch.distributed.destroy_process_group()
 
 
 def _config(**overrides: object):

@@ -1,0 +1,28 @@
+"""Shared pytest fixtures for the Megatron tests (imported by them, so megatron-core loads only there)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+import torch
+from megatron.core import parallel_state as ps
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A 1-rank gloo world with parallel_state initialised; torn down whatever happens."""
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.distributed.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
+                                             rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+        try:
+            ps.initialize_model_parallel(create_gloo_process_groups=False)
+            yield
+        finally:
+            ps.destroy_model_parallel()
+            torch.distributed.destroy_process_group()
