@@ -15,7 +15,6 @@ import torch
 pytest.importorskip("megatron.core")
 
 from tests.distributed import run_distributed  # noqa: E402
-from tests.megatron_fixtures import one_rank  # noqa: E402,F401 - a pytest fixture
 from tests.megatron_compositions import SEED, TEXT_DIM, TEXT_LEN, VIDEO, tiny_config  # noqa: E402
 from tests.megatron_example import run_example  # noqa: E402
 

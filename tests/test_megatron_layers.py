@@ -21,7 +21,6 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 from dsp_plugin.megatron.cpu import cuda_shim  # noqa: E402
 from dsp_plugin.megatron.layers import SDPACoreAttention, dsp_layer_spec, te_available  # noqa: E402
-from tests.megatron_fixtures import one_rank  # noqa: E402,F401 - a pytest fixture
 
 needs_te = pytest.mark.skipif(not (torch.cuda.is_available() and te_available()),
                               reason="Transformer Engine needs CUDA; this machine has none")

@@ -1,4 +1,4 @@
-"""Shared pytest fixtures for the Megatron tests (imported by them, so megatron-core loads only there)."""
+"""Shared pytest fixtures. megatron-core is imported inside the fixture that needs it, so other tests never load it."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from megatron.core import parallel_state as ps
 
 
 @pytest.fixture
 def one_rank() -> Iterator[None]:
-    """A 1-rank gloo world with parallel_state initialised; torn down whatever happens."""
+    """A 1-rank gloo world with Megatron's parallel_state initialised; torn down whatever happens."""
+    from megatron.core import parallel_state as ps
+
     if torch.distributed.is_initialized():
         pytest.skip("a process group is already initialised in this process")
     with tempfile.TemporaryDirectory() as tmp:
