@@ -23,10 +23,19 @@ A tag is a plain attribute of the tensor object. Two things drop attributes:
 Where neither reaches (a tensor received over a pipeline P2P, a user's own
 code), pass ``global_len=`` to the primitive, or let it ask the group (one small
 all-gather and a host sync).
+
+This is the project's ONE carrier of shard metadata: the primitives, the plan
+runtime, the adapters and the Megatron layers read and write :class:`ShardSpec`
+(as DTensor's ``DTensorSpec`` and PhysicsNeMo's ``ShardTensorSpec`` carry the
+placement and global shape with the shard). A tensor dim may *fold* several
+sequence axes row-major (Megatron's ``[T*S, B, D]``, Latte's ``[B*T, S, D]``):
+``grid`` then holds the global length of each folded axis and ``axis`` the one
+that is sharded, so a layer recovers every global length from the tag alone.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from dataclasses import dataclass
@@ -40,13 +49,38 @@ _ATTR = "_dsp_shard_spec"
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """``S(dim)`` with the full length ``global_len`` of that dim (``dim`` is non-negative)."""
+    """``S(dim)`` with the full length ``global_len`` of that dim (``dim`` is non-negative).
+
+    ``grid`` (optional): the global lengths of the sequence axes folded row-major
+    into ``dim`` (their product is ``global_len``), and ``axis`` the index in
+    ``grid`` of the axis that is sharded; the local length of ``dim`` is then the
+    product of ``grid`` with ``grid[axis]`` replaced by this rank's chunk of it.
+    Without a fold, ``grid == (global_len,)`` and ``axis == 0``.
+    """
 
     dim: int
     global_len: int
+    grid: tuple[int, ...] = ()
+    axis: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.grid:
+            object.__setattr__(self, "grid", (self.global_len,))
+        if not 0 <= self.axis < len(self.grid):
+            raise ValueError(f"ShardSpec: axis={self.axis} is not an index of grid {self.grid}")
+        if math.prod(self.grid) != self.global_len:
+            raise ValueError(f"ShardSpec: grid {self.grid} folds {math.prod(self.grid)} elements into dim "
+                             f"{self.dim}, but global_len={self.global_len}; expected their product")
+
+    @property
+    def sharded_len(self) -> int:
+        """Global length of the sharded axis (``global_len`` without a fold)."""
+        return self.grid[self.axis]
 
     def __str__(self) -> str:
-        return f"S({self.dim}) of {self.global_len}"
+        if len(self.grid) == 1:
+            return f"S({self.dim}) of {self.global_len}"
+        return f"S({self.dim}) folding {self.grid}, sharded on axis {self.axis}"
 
 
 # (data_ptr, storage_offset, shape, stride, dtype, device) -> the tagged tensor, weakly.
@@ -60,9 +94,13 @@ def _alias_key(x: torch.Tensor) -> tuple[object, ...] | None:
     return (x.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
 
 
-def attach(x: torch.Tensor, dim: int, global_len: int) -> torch.Tensor:
-    """Tag ``x`` as holding a chunk of dim ``dim`` whose full length is ``global_len``; returns ``x``."""
-    spec = ShardSpec(dim % x.dim(), int(global_len))
+def attach(x: torch.Tensor, dim: int, global_len: int, *, grid: tuple[int, ...] = (),
+           axis: int = 0) -> torch.Tensor:
+    """Tag ``x`` as holding a chunk of dim ``dim`` whose full length is ``global_len``; returns ``x``.
+
+    ``grid``/``axis`` describe a dim that folds several sequence axes (see :class:`ShardSpec`).
+    """
+    spec = ShardSpec(dim % x.dim(), int(global_len), tuple(int(g) for g in grid), int(axis))
     setattr(x, _ATTR, spec)
     key = _alias_key(x)
     if key is not None:
@@ -100,4 +138,4 @@ def propagate(source: torch.Tensor, target: object) -> None:
     if (spec is None or not isinstance(target, torch.Tensor) or target.dim() != source.dim()
             or target.shape[spec.dim] != source.shape[spec.dim]):
         return
-    attach(target, spec.dim, spec.global_len)
+    attach(target, spec.dim, spec.global_len, grid=spec.grid, axis=spec.axis)
