@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from dsp_plugin.deepspeed.config import DSPSettings
@@ -41,7 +42,8 @@ from dsp_plugin.deepspeed.config import DSPSettings
 if TYPE_CHECKING:
     from dsp_plugin.topology import Topology
 
-__all__ = ["cast_parameters", "gradient_scale", "install_gradient_scale", "param_dtype", "partition_for_zero3"]
+__all__ = ["cast_parameters", "gradient_scale", "install_every_gradient", "install_gradient_scale", "param_dtype",
+           "partition_for_zero3"]
 
 
 def gradient_scale(settings: DSPSettings) -> float:
@@ -67,6 +69,52 @@ def install_gradient_scale(module: torch.nn.Module, scale: float) -> list[Remova
                 handles.append(param.register_hook(lambda grad, s=scale: grad * s))
     module._dsp_gradient_scale_hooks = handles
     return handles
+
+
+def install_every_gradient(module: torch.nn.Module, *, per_module: bool) -> list[RemovableHandle]:
+    """Give every trainable parameter a gradient on every rank, zero where this rank did not use it.
+
+    A parameter used on some ranks only (a CLS or register token added to the
+    frame one rank holds, a head computed on one rank's shard) has no gradient on
+    the others; ZeRO's buckets then hold different parameters on different ranks
+    and the reduction flattens different sizes (gloo aborts: "Received data size
+    doesn't match expected size"). A forward hook adds ``0 * p.view(-1)[0]`` of
+    each parameter to the forward's output, so autograd delivers a zero gradient
+    to every parameter on every rank, and DeepSpeed's own hooks reduce the same
+    parameters everywhere: a missing gradient counts as zeros, as on one process.
+
+    ``per_module=False`` (ZeRO 0-2): one hook on ``module`` covering every
+    parameter. ``per_module=True`` (ZeRO-3): one hook per submodule for its own
+    parameters, which run before DeepSpeed releases them (hooks registered before
+    ``deepspeed.initialize`` run first); ZeRO-3 needs every rank to call every
+    module anyway (its all-gathers), so a module's parameters are all reachable
+    there. Cost: one tiny op per parameter per forward, and one zero-filled add per
+    parameter per backward.
+    """
+    for handle in getattr(module, "_dsp_every_gradient_hooks", []):
+        handle.remove()
+    owners = list(module.modules()) if per_module else [module]
+    handles = []
+    for owner in owners:
+        params = [p for p in owner.parameters(recurse=not per_module) if p.requires_grad]
+        if params:
+            handles.append(owner.register_forward_hook(_zero_term_hook(params)))
+    module._dsp_every_gradient_hooks = handles
+    return handles
+
+
+def _zero_term_hook(params: list[torch.nn.Parameter]):  # noqa: ANN202
+    def hook(_: torch.nn.Module, args: Any, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return None
+        leaves, spec = tree_flatten(output)
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.requires_grad:
+                zero = sum(p.reshape(-1)[0].to(leaf.dtype) for p in params if p.numel()) * 0
+                leaves[i] = leaf + zero
+                return tree_unflatten(leaves, spec)
+        return None
+    return hook
 
 
 def partition_for_zero3(module: torch.nn.Module, topology: Topology, config: dict[str, Any], mpu: Any) -> None:
