@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["CallFingerprint", "CrossRankMismatch", "check_mode", "exchanging", "forget_signatures", "judge",
-           "needs_check", "needs_check_for", "set_check_mode"]
+           "needs_check", "needs_check_for", "remember", "set_check_mode"]
 
 _MODES = {"1": "always", "always": "always", "": "first", "first": "first", "0": "off", "off": "off"}
 _mode: str | None = None
@@ -161,19 +161,27 @@ def needs_check(fingerprint: CallFingerprint) -> bool:
 
 
 def needs_check_for(key: tuple[object, ...]) -> bool:
-    """``needs_check`` for any hashable signature (``comm.reduce_gradients`` checks its parameter list)."""
+    """``needs_check`` for any hashable signature (``comm.reduce_gradients`` checks its parameter list).
+
+    A signature counts as seen only once its exchange agreed (``remember``), so
+    after a mismatch every rank checks it again: no rank skips the check its
+    peers make.
+    """
     mode = check_mode()
     if mode == "always":
         return True
     if mode == "off":
         return False
     with _seen_lock:
-        if key in _seen:
-            return False
+        return key not in _seen
+
+
+def remember(key: tuple[object, ...]) -> None:
+    """Mark ``key`` as agreed by every rank (``first`` mode then skips its exchange)."""
+    with _seen_lock:
         if len(_seen) >= _SEEN_LIMIT:
             _seen.clear()
         _seen.add(key)
-    return True
 
 
 def _describe(field: str, values: list[object], cur: int) -> str:

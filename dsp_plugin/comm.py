@@ -239,11 +239,13 @@ def _agree(name: str, x: object, *, cur: int, tgt: int, known_len: int | None, g
     if checks.needs_check(fingerprint) or (cur >= 0 and known_len is None):
         table = _exchange(fingerprint.encode(), _exchange_device(x, group), group, n)
         try:
-            return checks.judge(name, table, ranks, chunk_sizes)
+            full = checks.judge(name, table, ranks, chunk_sizes)
         except checks.CrossRankMismatch as mismatch:
             if error is not None:
                 raise mismatch from error
             raise
+        checks.remember(fingerprint.signature())
+        return full
     if error is not None:
         raise error
     if cur >= 0 and local != chunk_sizes(known_len, n)[rank]:  # type: ignore[arg-type]
@@ -648,13 +650,15 @@ def _agree_parameter_list(named: list[tuple[str, torch.Tensor]], group: dist.Pro
     import zlib
 
     shapes = [(tuple(p.shape), str(p.dtype)) for _, p in named]
-    if not checks.needs_check_for(("reduce_gradients", tuple(dist.get_process_group_ranks(group)), tuple(shapes))):
+    key = ("reduce_gradients", tuple(dist.get_process_group_ranks(group)), tuple(shapes))
+    if not checks.needs_check_for(key):
         return
     n = dist.get_world_size(group)
     device = _exchange_device(named[0][1], group)
     table = exchange_words([checks.PARAMS_MAGIC, len(named), zlib.crc32(repr(shapes).encode())],
                            group=group, device=device)
     if all(row == table[0] for row in table):
+        checks.remember(key)
         return
     ranks = dist.get_process_group_ranks(group)
     elsewhere = [r for r, row in zip(ranks, table) if row[0] != checks.PARAMS_MAGIC]
@@ -672,9 +676,8 @@ def _agree_parameter_list(named: list[tuple[str, torch.Tensor]], group: dist.Pro
         column = [row[i] for row in sizes]
         if len(set(column)) > 1:
             described = ", ".join(f"{v // 64} elements on rank {r}" for r, v in zip(ranks, column))
-            raise ValueError(f"reduce_gradients: parameter {name} (shape {list(p.shape)}, {p.dtype} here) "
-                             f"differs across group {ranks}: {described} (or another dtype); expected the "
-                             f"same parameters on every rank")
+            raise ValueError(f"reduce_gradients: parameter {name} differs across group {ranks}: {described} "
+                             f"(or another dtype); expected the same parameters on every rank")
     raise ValueError(f"reduce_gradients: the parameter shapes of group {ranks} differ (same sizes, other "
                      f"shapes); expected the same parameters on every rank")
 

@@ -143,9 +143,9 @@ def _initialize_dsp(settings: DSPSettings, *, training_data: Any, scale: float |
     if settings.zero_stage == 3 and zero3_partition:
         partition_for_zero3(kwargs["model"], topology, config, mpu)
     install_gradient_scale(kwargs["model"], gradient_scale(settings) if scale is None else scale)
-    install_every_gradient(kwargs["model"], per_module=settings.zero_stage == 3)
     install_guard(kwargs["model"], topology, device=get_accelerator().current_device_name())
     engine, optimizer, _, scheduler = deepspeed.initialize(training_data=None, mpu=mpu, **kwargs)
+    install_every_gradient(kwargs["model"])   # after: ZeRO-3's own pre-hooks gather the parameters first
     loader = None
     if training_data is not None:
         extra = {} if kwargs["collate_fn"] is None else {"collate_fn": kwargs["collate_fn"]}

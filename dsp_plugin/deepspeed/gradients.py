@@ -71,50 +71,68 @@ def install_gradient_scale(module: torch.nn.Module, scale: float) -> list[Remova
     return handles
 
 
-def install_every_gradient(module: torch.nn.Module, *, per_module: bool) -> list[RemovableHandle]:
+def install_every_gradient(module: torch.nn.Module) -> list[RemovableHandle]:
     """Give every trainable parameter a gradient on every rank, zero where this rank did not use it.
 
     A parameter used on some ranks only (a CLS or register token added to the
     frame one rank holds, a head computed on one rank's shard) has no gradient on
     the others; ZeRO's buckets then hold different parameters on different ranks
     and the reduction flattens different sizes (gloo aborts: "Received data size
-    doesn't match expected size"). A forward hook adds ``0 * p.view(-1)[0]`` of
-    each parameter to the forward's output, so autograd delivers a zero gradient
-    to every parameter on every rank, and DeepSpeed's own hooks reduce the same
-    parameters everywhere: a missing gradient counts as zeros, as on one process.
+    doesn't match expected size"). A forward pre-hook on every module that owns
+    parameters adds ``0 * p.view(-1)[0]`` of each of them to the module's first
+    floating-point input, so autograd delivers a zero gradient to every parameter
+    on every rank, and DeepSpeed's own hooks reduce the same parameters
+    everywhere: a missing gradient counts as zeros, as on one process.
 
-    ``per_module=False`` (ZeRO 0-2): one hook on ``module`` covering every
-    parameter. ``per_module=True`` (ZeRO-3): one hook per submodule for its own
-    parameters, which run before DeepSpeed releases them (hooks registered before
-    ``deepspeed.initialize`` run first); ZeRO-3 needs every rank to call every
-    module anyway (its all-gathers), so a module's parameters are all reachable
-    there. Cost: one tiny op per parameter per forward, and one zero-filled add per
-    parameter per backward.
+    On the input, not the output: the last contribution to a parameter's
+    gradient then arrives when the backward leaves its module, on every rank
+    alike, so ZeRO-2/3 fill their buckets in the same order everywhere (with the
+    term on the output, a rank that never used the token had its gradient ready
+    first and the reduce-scatter summed mismatched slots). Install after
+    ``deepspeed.initialize``: ZeRO-3 gathers a module's parameters in its own
+    pre-hook, which must run first. A module whose inputs hold no floating-point
+    tensor gets the term on its output. Cost per forward: one tiny op per
+    parameter; per backward: one zero-filled add per parameter.
     """
     for handle in getattr(module, "_dsp_every_gradient_hooks", []):
         handle.remove()
-    owners = list(module.modules()) if per_module else [module]
     handles = []
-    for owner in owners:
-        params = [p for p in owner.parameters(recurse=not per_module) if p.requires_grad]
+    for owner in module.modules():
+        params = [p for p in owner.parameters(recurse=False) if p.requires_grad]
         if params:
-            handles.append(owner.register_forward_hook(_zero_term_hook(params)))
+            handles.extend(_zero_term_hooks(owner, params))
     module._dsp_every_gradient_hooks = handles
     return handles
 
 
-def _zero_term_hook(params: list[torch.nn.Parameter]):  # noqa: ANN202
-    def hook(_: torch.nn.Module, args: Any, output: Any) -> Any:
+def _add_zero_term(tree: Any, params: list[torch.nn.Parameter]) -> tuple[Any, bool]:
+    leaves, spec = tree_flatten(tree)
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            zero = sum(p.reshape(-1)[0].to(leaf.dtype) for p in params if p.numel()) * 0
+            leaves[i] = leaf + zero
+            return tree_unflatten(leaves, spec), True
+    return tree, False
+
+
+def _zero_term_hooks(owner: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[RemovableHandle]:
+    pending: list[bool] = []      # per call in flight: whether the term still has to go on the output
+
+    def before(_: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
+            pending.append(False)
             return None
-        leaves, spec = tree_flatten(output)
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.requires_grad:
-                zero = sum(p.reshape(-1)[0].to(leaf.dtype) for p in params if p.numel()) * 0
-                leaves[i] = leaf + zero
-                return tree_unflatten(leaves, spec)
+        (args, kwargs), added = _add_zero_term((args, kwargs), params)
+        pending.append(not added)
+        return (args, kwargs) if added else None
+
+    def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
+        if pending and pending.pop():
+            return _add_zero_term(output, params)[0]
         return None
-    return hook
+
+    return [owner.register_forward_pre_hook(before, with_kwargs=True),
+            owner.register_forward_hook(after, with_kwargs=True)]
 
 
 def partition_for_zero3(module: torch.nn.Module, topology: Topology, config: dict[str, Any], mpu: Any) -> None:
