@@ -24,8 +24,9 @@ def guard_worker(rank: int, world_size: int) -> dict[str, Any]:
     import torch
 
     from dsp_plugin.deepspeed import DSPGuardError, initialize, skip_cpu_shm_build
-    from dsp_plugin.topology import get_topology
+    from dsp_plugin.topology import get_topology, set_topology
 
+    set_topology(None)  # the runner installs Topology.world(); initialize must build none before refusing
     out: dict[str, Any] = {}
     # A PipelineModule needs DeepSpeed's communication backend, as in a real pipeline script.
     skip_cpu_shm_build()
