@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import operator
+import zlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -647,8 +648,6 @@ def _agree_parameter_list(named: list[tuple[str, torch.Tensor]], group: dist.Pro
     Exchanged when ``checks`` says so (by default the first time this process
     sees the list); a mismatch is judged from the same table on every rank.
     """
-    import zlib
-
     shapes = [(tuple(p.shape), str(p.dtype)) for _, p in named]
     key = ("reduce_gradients", tuple(dist.get_process_group_ranks(group)), tuple(shapes))
     if not checks.needs_check_for(key):
