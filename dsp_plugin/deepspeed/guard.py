@@ -47,7 +47,6 @@ __all__ = ["GUARD_ENV", "DSPGuardError", "input_fingerprint", "install_guard"]
 
 GUARD_ENV = "DSP_DEEPSPEED_GUARD"
 _HANDLES = "_dsp_guard_hooks"
-_GUARD_MAGIC = checks.GUARD_MAGIC
 
 
 class DSPGuardError(RuntimeError):
@@ -128,7 +127,7 @@ def install_guard(module: torch.nn.Module, topology: Topology, *,
     def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         for handle in getattr(module, _HANDLES, []):
             handle.remove()
-        row = [_GUARD_MAGIC, sharded_calls() - state["calls"], state["fingerprint"]]
+        row = [checks.GUARD_MAGIC, sharded_calls() - state["calls"], state["fingerprint"]]
         ranks = dist.get_process_group_ranks(topology.dsp_group)
         # 1. the DSP group, in the primitives' check format (a peer may be waiting in split's check)
         mine = exchange_words(row, group=topology.dsp_group, device=torch.device(device))
