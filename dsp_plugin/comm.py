@@ -610,7 +610,10 @@ def reduce_gradients(parameters: Iterable[torch.nn.Parameter | tuple[str, torch.
     group, dp = topology.dp_dsp_group, topology.dp
     if group is None or dist.get_world_size(group) == 1 or not named:  # a topology without groups: one process
         return
-    _agree_parameter_list(named, group)
+    # first over the DSP group, where a peer still inside a primitive's check would be waiting
+    for checked in dict.fromkeys(g for g in (topology.dsp_group, group) if g is not None and
+                                 dist.get_world_size(g) > 1):
+        _agree_parameter_list(named, checked)
     dtype = _common_dtype([p.grad if p.grad is not None else p for _, p in named])
     device = named[0][1].device
     pieces = [(p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format))
@@ -646,7 +649,9 @@ def _agree_parameter_list(named: list[tuple[str, torch.Tensor]], group: dist.Pro
     """The ranks' parameter lists match (count, shapes, dtypes) before the flat all_reduce, else a clear error.
 
     Exchanged when ``checks`` says so (by default the first time this process
-    sees the list); a mismatch is judged from the same table on every rank.
+    sees the list); a mismatch is judged from the same table on every rank. The
+    row has the primitives' check format, so a peer waiting in a primitive's
+    check on the same group meets this one and both raise.
     """
     shapes = [(tuple(p.shape), str(p.dtype)) for _, p in named]
     key = ("reduce_gradients", tuple(dist.get_process_group_ranks(group)), tuple(shapes))
