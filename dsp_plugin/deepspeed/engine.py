@@ -51,7 +51,10 @@ from dsp_plugin.deepspeed.mpu import DeepSpeedMPU
 from dsp_plugin.deepspeed_env import require_tested_deepspeed, skip_cpu_shm_build
 from dsp_plugin.topology import Topology, set_topology
 
-__all__ = ["initialize", "load_config", "skip_cpu_shm_build"]
+__all__ = ["EVERY_GRADIENT_ENV", "initialize", "load_config", "skip_cpu_shm_build"]
+
+#: ``0`` skips ``gradients.install_every_gradient`` (for a model that uses every parameter on every rank).
+EVERY_GRADIENT_ENV = "DSP_DEEPSPEED_EVERY_GRADIENT"
 
 def load_config(args: Any = None, config: Any = None, config_params: Any = None) -> dict[str, Any]:
     """The config dict DeepSpeed will read, found the way ``deepspeed.initialize`` finds it."""
@@ -145,7 +148,8 @@ def _initialize_dsp(settings: DSPSettings, *, training_data: Any, scale: float |
     install_gradient_scale(kwargs["model"], gradient_scale(settings) if scale is None else scale)
     install_guard(kwargs["model"], topology, device=get_accelerator().current_device_name())
     engine, optimizer, _, scheduler = deepspeed.initialize(training_data=None, mpu=mpu, **kwargs)
-    install_every_gradient(kwargs["model"])   # after: ZeRO-3's own pre-hooks gather the parameters first
+    if os.environ.get(EVERY_GRADIENT_ENV, "1") != "0":   # after: ZeRO-3's own pre-hooks gather parameters first
+        install_every_gradient(kwargs["model"])
     loader = None
     if training_data is not None:
         extra = {} if kwargs["collate_fn"] is None else {"collate_fn": kwargs["collate_fn"]}

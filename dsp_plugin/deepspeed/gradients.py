@@ -79,10 +79,12 @@ def install_every_gradient(module: torch.nn.Module) -> list[RemovableHandle]:
     the others; ZeRO's buckets then hold different parameters on different ranks
     and the reduction flattens different sizes (gloo aborts: "Received data size
     doesn't match expected size"). A forward pre-hook on every module that owns
-    parameters adds ``0 * p.view(-1)[0]`` of each of them to the module's first
-    floating-point input, so autograd delivers a zero gradient to every parameter
-    on every rank, and DeepSpeed's own hooks reduce the same parameters
-    everywhere: a missing gradient counts as zeros, as on one process.
+    parameters passes the module's first floating-point input through ``_Touch``
+    (an identity view whose backward also returns a zero gradient for each of the
+    module's parameters), so autograd delivers a gradient to every parameter on
+    every rank, zero where the rank did not use it, and DeepSpeed's own hooks
+    reduce the same parameters everywhere: a missing gradient counts as zeros, as
+    on one process.
 
     On the input, not the output: the last contribution to a parameter's
     gradient then arrives when the backward leaves its module, on every rank
@@ -91,8 +93,8 @@ def install_every_gradient(module: torch.nn.Module) -> list[RemovableHandle]:
     first and the reduce-scatter summed mismatched slots). Install after
     ``deepspeed.initialize``: ZeRO-3 gathers a module's parameters in its own
     pre-hook, which must run first. A module whose inputs hold no floating-point
-    tensor gets the term on its output. Cost per forward: one tiny op per
-    parameter; per backward: one zero-filled add per parameter.
+    tensor gets it on its output. Cost: one autograd node per module call, and
+    per backward one zero-filled tensor (and its accumulation) per parameter.
     """
     for handle in getattr(module, "_dsp_every_gradient_hooks", []):
         handle.remove()
@@ -105,34 +107,48 @@ def install_every_gradient(module: torch.nn.Module) -> list[RemovableHandle]:
     return handles
 
 
+class _Touch(torch.autograd.Function):
+    """Identity on ``x`` (a view, no copy) whose backward also hands each of ``params`` a zero gradient."""
+
+    @staticmethod
+    def forward(ctx, x, *params):  # type: ignore[override]
+        # the shapes now: ZeRO-3 releases a parameter's storage after its module's forward
+        ctx.specs = [(p.shape, p.dtype, p.device) for p in params]
+        return x.view_as(x)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):  # type: ignore[override]
+        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs))
+
+
 def _add_zero_term(tree: Any, params: list[torch.nn.Parameter]) -> tuple[Any, bool]:
     leaves, spec = tree_flatten(tree)
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            zero = sum(p.reshape(-1)[0].to(leaf.dtype) for p in params if p.numel()) * 0
-            leaves[i] = leaf + zero
+            leaves[i] = _Touch.apply(leaf, *params)
             return tree_unflatten(leaves, spec), True
     return tree, False
 
 
 def _zero_term_hooks(owner: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[RemovableHandle]:
-    pending: list[bool] = []      # per call in flight: whether the term still has to go on the output
+    state = {"on_output": False}   # a module whose inputs hold no floating-point tensor: its output, from then on
 
     def before(_: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            pending.append(False)
+        if state["on_output"] or not torch.is_grad_enabled():
             return None
         (args, kwargs), added = _add_zero_term((args, kwargs), params)
-        pending.append(not added)
-        return (args, kwargs) if added else None
-
-    def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        if pending and pending.pop():
-            return _add_zero_term(output, params)[0]
+        if added:
+            return args, kwargs
+        state["on_output"] = True
+        handles.append(owner.register_forward_hook(after))
         return None
 
-    return [owner.register_forward_pre_hook(before, with_kwargs=True),
-            owner.register_forward_hook(after, with_kwargs=True)]
+    def after(_: torch.nn.Module, args: Any, output: Any) -> Any:
+        return _add_zero_term(output, params)[0] if torch.is_grad_enabled() else None
+
+    handles = [owner.register_forward_pre_hook(before, with_kwargs=True)]
+    return handles
 
 
 def partition_for_zero3(module: torch.nn.Module, topology: Topology, config: dict[str, Any], mpu: Any) -> None:
