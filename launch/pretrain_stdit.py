@@ -50,12 +50,14 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None,
-                                       ) -> tuple[SyntheticVideoDataset, ...]:
-    """Synthetic latents (train, validation, test splits with their own seeds); every rank builds its own
-    copy (deterministic, nothing to broadcast)."""
+                                       ) -> tuple[SyntheticVideoDataset | None, ...]:
+    """Synthetic latents (train, validation, test splits with their own seeds) of the sizes Megatron asks
+    for; a split of 0 samples is None (no loader, as Megatron's own builders do), so a resume without
+    ``--eval-iters`` does not build a validation sampler behind the checkpoint's consumed samples. Every
+    rank builds its own copy (deterministic, nothing to broadcast)."""
     args = get_args()
     video, text = video_shape_from_args(args), {"text_dim": args.text_dim or None, "text_len": args.text_len}
-    return tuple(SyntheticVideoDataset(video, max(n, 1), seed=args.seed + split, **text)
+    return tuple(SyntheticVideoDataset(video, n, seed=args.seed + split, **text) if n > 0 else None
                  for split, n in enumerate(train_val_test_num_samples))
 
 

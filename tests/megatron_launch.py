@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,16 +14,10 @@ VALIDATION = re.compile(r"validation loss at iteration (\d+)( on validation set)
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(*extra: str, iters: int = 3, **knobs: str) -> tuple[dict[int, float], str]:
     """``{iteration: loss}`` logged by the launch, and its stdout; fails on a non-zero exit."""
-    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(_free_port()), ITERS=str(iters),
-               OMP_NUM_THREADS="1", **knobs)
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # the launch picks a free port itself
+    env |= dict(PYTHON=sys.executable, ITERS=str(iters), OMP_NUM_THREADS="1", **knobs)
     proc = subprocess.run(["bash", str(ROOT / "launch" / "run_megatron.sh"), *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"launch {knobs} {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

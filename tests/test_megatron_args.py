@@ -89,6 +89,8 @@ GEOMETRY = ["--num-frames", "6", "--latent-height", "2", "--latent-width", "3", 
      "--cuda-graph-impl transformer_engine: CUDA graphs are not supported with DSP layers"),
     (["--cuda-graph-impl", "local", "--dsp-size", "2"], 2, "--cuda-graph-impl local: CUDA graphs are not supported"),
     (["--external-cuda-graph", "--dsp-size", "2"], 2, "--external-cuda-graph: CUDA graphs are not supported"),
+    (["--init-model-with-meta-device", "--dsp-size", "2"], 2,
+     "--init-model-with-meta-device is not supported with DSP layers: Megatron materialises meta parameters"),
 ])
 def test_unsupported_options_and_shapes_fail_while_parsing(monkeypatch: pytest.MonkeyPatch, argv: list[str],
                                                            world_size: int, message: str) -> None:
@@ -248,3 +250,54 @@ def test_fp8_check_is_transformer_engines_rule(monkeypatch: pytest.MonkeyPatch, 
           f"{sorted(set(s for s in operands if not te_accepts(s, recipe)))}; parse-time check: "
           f"{message[message.find('(dsp size'):][:200] or 'accepts'}")
     assert te_ok == expected and (not message) == te_ok
+
+
+def test_flops_hook_is_called_the_way_train_calls_it() -> None:
+    """``install_flops_formula`` replaces Megatron's function with one of the same signature; called exactly as
+    ``train()`` and ``training_log()`` call it (training.py: ``consume_seqlen_stats_in_iteration`` then the
+    keywords), it gives 3 forwards of this model per sample."""
+    import argparse
+    import inspect
+
+    from megatron.training import training
+
+    from dsp_plugin.megatron.flops import forward_flops_per_sample, install_flops_formula
+
+    original = training.num_floating_point_operations
+    install_flops_formula()
+    try:
+        hook = training.num_floating_point_operations
+        assert hook is not original
+        assert list(inspect.signature(hook).parameters) == list(inspect.signature(original).parameters)
+        args = argparse.Namespace(num_frames=8, latent_height=2, latent_width=3, latent_channels=4, hidden_size=32,
+                                  ffn_hidden_size=128, num_layers=4, text_dim=16, text_len=4)
+        total_real_tokens_in_batch, seqlen_squared_sum_in_batch = training.consume_seqlen_stats_in_iteration()
+        flops = training.num_floating_point_operations(
+            args, 4, seqlen_squared_sum_in_batch=seqlen_squared_sum_in_batch,
+            total_real_tokens_in_batch=total_real_tokens_in_batch)
+        per_sample = forward_flops_per_sample(frames=8, patches=6, channels=4, hidden=32, ffn_hidden=128,
+                                              num_layers=4, text_len=4, text_dim=16)
+        assert flops == 3 * 4 * per_sample > 0
+    finally:
+        training.num_floating_point_operations = original
+
+
+def test_parameters_are_created_where_megatron_creates_its_own(monkeypatch: pytest.MonkeyPatch, one_rank) -> None:
+    """Without ``use_cpu_initialization`` megatron-core puts its parameters on ``torch.cuda.current_device()``;
+    the model's own modules (embeddings, adaLN, head) must follow. The current device is made ``meta`` here
+    (no GPU needed): every parameter, Megatron's and ours, must land there; with ``use_cpu_initialization``
+    every one is on the CPU."""
+    from dsp_plugin.megatron.groups import install_topology
+    from dsp_plugin.megatron.model import VideoShape
+    from dsp_plugin.megatron.steps import build_model, dsp_config
+
+    install_topology()
+    video = VideoShape(4, 4, 2, 2)
+    common = dict(num_layers=2, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+                  perform_initialization=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("meta"))
+    on_device = build_model(dsp_config(video, use_cpu_initialization=False, **common), video, text_dim=8, text_len=4)
+    devices = {name: p.device.type for name, p in on_device.named_parameters()}
+    assert set(devices.values()) == {"meta"}, {n: d for n, d in devices.items() if d != "meta"}
+    on_cpu = build_model(dsp_config(video, use_cpu_initialization=True, **common), video, text_dim=8, text_len=4)
+    assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}

@@ -27,7 +27,7 @@ import argparse
 import os
 from typing import Any
 
-__all__ = ["FP8_RULES", "MODES", "add_dsp_arguments", "apply_dsp_arguments", "check_cuda_graphs", "check_fp8_shapes",
+__all__ = ["FP8_RULES", "MODES", "add_dsp_arguments", "apply_dsp_arguments", "check_launch_options", "check_fp8_shapes",
            "check_models_for_dsp_layers", "dsp_enabled", "fp8_gemms"]
 
 #: Values of ``--sequence-parallel-mode``.
@@ -55,7 +55,7 @@ def add_dsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
             parsed, rest = parse_known_args(args, namespace)
             apply_dsp_arguments(parsed, world_size=int(os.getenv("WORLD_SIZE", "1")))
             if dsp_enabled(parsed) or getattr(parsed, "num_frames", None) is not None:  # DSP layers in use
-                check_cuda_graphs(parsed)
+                check_launch_options(parsed)
             check_fp8_shapes(parsed, parsed.dsp_size)
             if dsp_enabled(parsed):
                 check_models_for_dsp_layers()
@@ -192,8 +192,18 @@ def check_fp8_shapes(args: argparse.Namespace, dsp: int) -> None:
                          f"DSP rank (dsp size {dsp}): " + "; ".join(bad))
 
 
-def check_cuda_graphs(args: argparse.Namespace) -> None:
-    """CUDA graphs capture the stock layer with static GPT-shaped inputs and never run the DSP forward."""
+def check_launch_options(args: argparse.Namespace) -> None:
+    """Megatron options the DSP layers cannot honour, refused while parsing.
+
+    CUDA graphs capture the stock layer with static GPT-shaped inputs and never run the DSP forward.
+    ``--init-model-with-meta-device``: Megatron then materialises the parameters with ``torch.empty``
+    (``to_empty_if_meta_device``), dropping the adaLN zero-init and the weights a model draws (or copies
+    from the reference) at construction.
+    """
+    if getattr(args, "init_model_with_meta_device", False):
+        raise ValueError("--init-model-with-meta-device is not supported with DSP layers: Megatron materialises "
+                         "meta parameters uninitialised (to_empty), which drops the adaLN zero-init and the "
+                         "weights drawn at construction; drop it (parameters are created on the current device)")
     impl = getattr(args, "cuda_graph_impl", "none") or "none"
     legacy = [flag for flag in ("enable_cuda_graph", "external_cuda_graph") if getattr(args, flag, False)]
     if impl != "none" or legacy:

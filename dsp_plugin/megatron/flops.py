@@ -38,7 +38,7 @@ def forward_flops_per_sample(*, frames: int, patches: int, channels: int, hidden
     return total
 
 
-def num_floating_point_operations(args: argparse.Namespace, batch_size: int, *,
+def num_floating_point_operations(args: argparse.Namespace, batch_size: int,
                                   seqlen_squared_sum_in_batch: float | None = None,
                                   total_real_tokens_in_batch: float | None = None) -> int:
     """Megatron's ``num_floating_point_operations`` for this model (one training step).
