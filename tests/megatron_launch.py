@@ -23,3 +23,16 @@ def launch(*extra: str, iters: int = 3, **knobs: str) -> tuple[dict[int, float],
     assert proc.returncode == 0, f"launch {knobs} {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "sequence parallel mode: " + knobs.get("MODE", "dsp") in proc.stdout
     return {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(proc.stdout)}, proc.stdout
+
+
+def tensorboard_losses(board: Path) -> dict[int, float] | None:
+    """``{iteration: loss}`` of the ``loss`` scalars a launch with ``--tensorboard-dir board`` wrote (each
+    iteration's own loss at float32 precision; the log line prints 7 digits of an interval average), or None
+    when tensorboard is not installed."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return None
+    accumulator = EventAccumulator(str(board))
+    accumulator.Reload()
+    return {event.step: event.value for event in accumulator.Scalars("loss")}

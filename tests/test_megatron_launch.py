@@ -114,3 +114,22 @@ def test_a_run_that_exits_without_error_status_is_a_failure() -> None:
     with pytest.raises(SystemExit), contextlib.suppress(RuntimeError):
         with exit_is_failure("x"):
             sys.exit(3)
+
+
+def test_cpu_refuses_options_whose_megatron_code_asserts_cuda() -> None:
+    """Checked right after parsing on every rank (before pretrain() opens the process group)."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "launch"))
+    try:
+        from pretrain_stdit import refuse_cuda_only_options
+    finally:
+        sys.path.remove(str(ROOT / "launch"))
+    args = argparse.Namespace(use_distributed_optimizer=False, bf16=True, fp16=False, distributed_backend="gloo")
+    with pytest.raises(ValueError, match="--bf16: needs CUDA, Megatron's distributed and mixed-precision"):
+        refuse_cuda_only_options(args)
+    args.bf16, args.distributed_backend = False, "nccl"
+    with pytest.raises(ValueError, match="--distributed-backend nccl: there is no CUDA here; use gloo"):
+        refuse_cuda_only_options(args)
+    args.distributed_backend = "gloo"
+    refuse_cuda_only_options(args)
