@@ -301,3 +301,17 @@ def test_parameters_are_created_where_megatron_creates_its_own(monkeypatch: pyte
     assert set(devices.values()) == {"meta"}, {n: d for n, d in devices.items() if d != "meta"}
     on_cpu = build_model(dsp_config(video, use_cpu_initialization=True, **common), video, text_dim=8, text_len=4)
     assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU shim")
+def test_training_shim_answers_pretrains_queries_and_puts_everything_back() -> None:
+    from dsp_plugin.megatron.cpu import cuda_shim
+
+    originals = (torch.cuda.is_available, torch.cuda.device_count, torch.accelerator.current_stream)
+    with cuda_shim(training=True):
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == 0 == torch.cuda.max_memory_allocated()
+        assert torch.ones(2).pin_memory().device.type == "cpu" == torch.zeros(1, device="cuda").device.type
+        assert not torch.accelerator.current_stream().is_capturing() and torch._dynamo.config.disable
+    assert (torch.cuda.is_available, torch.cuda.device_count, torch.accelerator.current_stream) == originals
+    assert not torch.cuda.is_available() and not torch._dynamo.config.disable
