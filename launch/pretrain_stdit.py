@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -77,6 +78,28 @@ def refuse_cuda_only_options(args: argparse.Namespace) -> None:
                          "(launch/run_megatron.sh picks it)")
 
 
+@contextlib.contextmanager
+def close_process_group_on_success() -> Iterator[None]:
+    """After ``pretrain()`` returns, or ``train()`` ``sys.exit(0)``s at ``--exit-interval`` or
+    ``--exit-duration-in-mins``, every rank is at the same point: meet once more and destroy the process
+    group, rather than leave gloo's teardown to interpreter shutdown, where a rank that exits first can
+    abort its peer. A failing rank skips this (no collective after an error)."""
+    import torch
+
+    def close() -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
+    try:
+        yield
+    except SystemExit as exc:
+        if exc.code in (None, 0):
+            close()
+        raise
+    close()
+
+
 def main() -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
@@ -95,8 +118,9 @@ def main() -> None:
         print_rank_0(f"> sequence parallel mode: {args.sequence_parallel_mode}, dsp size {args.dsp_size} "
                      f"(Megatron context-parallel slot), tp {args.tensor_model_parallel_size}, "
                      f"pp {args.pipeline_model_parallel_size}, dp {args.data_parallel_size}")
-        pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
-                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+        with close_process_group_on_success():
+            pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
+                     ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
 
 
 if __name__ == "__main__":
