@@ -81,12 +81,18 @@ def reference_weights(config: DSPTransformerConfig, video: VideoShape, text_dim:
 def build_model(config: DSPTransformerConfig, video: VideoShape, *, transformer_impl: str = "local",
                 text_dim: int | None = None, text_len: int = 0, pre_process: bool = True,
                 post_process: bool = True, seed: int | None = None, pg_collection: Any = None) -> STDiTMegatron:
-    """One pipeline stage; with ``seed``, the weights of the reference ``STDiT`` drawn with that seed."""
-    from dsp_plugin.megatron.weights import load_reference_weights
+    """One pipeline stage; with ``seed``, the weights of the reference ``STDiT`` drawn with that seed.
 
-    model = STDiTMegatron(config, dsp_layer_spec(transformer_impl, cross_attention=bool(text_dim)), video,
-                          text_dim=text_dim, text_len=text_len, pre_process=pre_process,
-                          post_process=post_process, pg_collection=pg_collection)
+    The model's own modules (embeddings, adaLN, head) are created where megatron-core creates its
+    layers' parameters (``weights.parameter_device``: the current CUDA device unless
+    ``use_cpu_initialization``), not on the CPU beside TE parameters on the GPU.
+    """
+    from dsp_plugin.megatron.weights import load_reference_weights, parameter_device
+
+    with torch.device(parameter_device(config)):
+        model = STDiTMegatron(config, dsp_layer_spec(transformer_impl, cross_attention=bool(text_dim)), video,
+                              text_dim=text_dim, text_len=text_len, pre_process=pre_process,
+                              post_process=post_process, pg_collection=pg_collection)
     model.model_type = ModelType.encoder_or_decoder  # what megatron.training's get_model sets
     if seed is not None:
         load_reference_weights(model, reference_weights(config, video, text_dim, seed))

@@ -21,7 +21,8 @@ import torch
 from megatron.core import parallel_state as ps
 from torch import nn
 
-__all__ = ["global_parameter_name", "load_reference_weights", "megatron_names", "reference_config"]
+__all__ = ["global_parameter_name", "load_reference_weights", "megatron_names", "parameter_device",
+           "reference_config"]
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 _RENAMES = {
@@ -31,6 +32,17 @@ _RENAMES = {
 }
 _TOP = {"t_embedder.mlp.0": "time_embed.0", "t_embedder.mlp.2": "time_embed.2", "text_proj": "text_proj",
         "final_layer.adaln.1": "final_adaln.1", "final_layer.linear": "head"}
+
+
+def parameter_device(config: object) -> torch.device:
+    """Where megatron-core creates a layer's parameters: the CPU under ``use_cpu_initialization``, else
+    the current CUDA device (``torch.cuda.current_device()``, which the CPU shim answers with the CPU).
+    Build a model's own modules under ``with torch.device(parameter_device(config))`` so they sit beside
+    Megatron's and TE's."""
+    if getattr(config, "use_cpu_initialization", False):
+        return torch.device("cpu")
+    device = torch.cuda.current_device()
+    return device if isinstance(device, torch.device) else torch.device("cuda", device)
 
 
 def global_parameter_name(name: str, layer_offset: int) -> str:
