@@ -9,6 +9,9 @@ one process running the same module on the whole sequence (fp64, 1e-9).
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -233,3 +236,14 @@ def test_one_process_is_identity_and_checks_at_once() -> None:
         to_heads(q, q, q, seq_dim=1, head_dim=-3)
     with pytest.raises(TypeError, match="to_heads: k must be a torch.Tensor, got list"):
         to_heads(q, [1], q, seq_dim=1, head_dim=2)
+
+
+def _docs_example(rank: int, n: int) -> bool:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    code = re.search(r"<!-- example: head-switch -->\n```python\n(.*?)```", text, flags=re.S).group(1)
+    exec(compile(code, "docs/api.md", "exec"), {"__name__": "__docs__"})  # noqa: S102 - our own docs
+    return True
+
+
+def test_the_api_example_runs_on_two_ranks() -> None:
+    assert run_distributed(_docs_example, 2) == [True, True]
