@@ -1,0 +1,131 @@
+"""Worker and oracle for ``tests/test_megatron_full_attention.py``: a model mixing factorized and full layers.
+
+The oracle is the plain-torch reference ``STDiT`` with its blocks laid out as the
+pattern says: ``AxialBlock``s attending along S or T, and :class:`FullBlock`s,
+``AxialBlock``s applied to the ``T * S`` tokens flattened into one sequence. It
+trains with torch SGD on the whole global batch in one process; the Megatron
+runs load its weights and train through real megatron-core (a stock
+``TransformerBlock`` of ``DSPVideoLayer``s, DDP over DP x CP, the pipeline
+schedules, ``finalize_model_grads``), as ``megatron_compositions`` does for the
+factorized model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.models.stdit import AxialBlock, STDiT, STDiTConfig
+from tests.megatron_compositions import GLOBAL_BATCH, LR, SEED, TEXT_DIM, TEXT_LEN, VIDEO, dataset, tiny_config
+
+#: layer 1 spatial (entry shard T), 2 full on the T shard, 3 temporal (switch T -> S), 4 full on the S shard
+PATTERN = ("spatial", "full", "temporal", "full")
+
+
+class FullBlock(AxialBlock):
+    """An ``AxialBlock`` over every token of the sample: ``[B, T, S, D] -> [B, T * S, D]``, attend, back."""
+
+    def __init__(self, config: STDiTConfig) -> None:
+        super().__init__(config, 1, add_pos_embed=False)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(x.flatten(1, 2), c, y).view_as(x)
+
+
+def reference_model() -> STDiT:
+    """The oracle with ``PATTERN``'s blocks; weights drawn from ``SEED`` (the same on every rank)."""
+    config = tiny_config(1, 1)
+    ref_config = STDiTConfig(depth=len(PATTERN) // 2, hidden_size=config.hidden_size,
+                             num_heads=config.num_attention_heads,
+                             mlp_ratio=config.ffn_hidden_size / config.hidden_size, in_channels=VIDEO.channels,
+                             patch_size=(1, 1, 1), text_dim=TEXT_DIM, axes=2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(SEED)
+        model = STDiT(ref_config)
+        blocks, positioned = [], set()
+        for kind in PATTERN:  # positions at the first block along each dim, as the Megatron layers add them
+            if kind == "full":
+                blocks.append(FullBlock(ref_config))
+                continue
+            dim = 2 if kind == "spatial" else 1
+            blocks.append(AxialBlock(ref_config, dim, add_pos_embed=dim not in positioned))
+            positioned.add(dim)
+        model.blocks = nn.ModuleList(blocks)
+    return model
+
+
+def reference_run(steps: int) -> dict[str, Any]:
+    """Losses and Megatron-named full gradients per step of the oracle."""
+    from dsp_plugin.megatron.weights import megatron_names
+
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    data = dataset(steps)
+    losses, grads = [], []
+    for step in range(steps):
+        batch = torch.utils.data.default_collate([data[step * GLOBAL_BATCH + i] for i in range(GLOBAL_BATCH)])
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(batch["latents"], batch["timestep"], batch["text"]), batch["target"])
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(megatron_names({n: p.grad.clone() for n, p in model.named_parameters()},
+                                    model.config.num_heads))
+        optimizer.step()
+    return {"losses": losses, "grads": grads}
+
+
+def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, int, int, bool]],
+                steps: int) -> list[dict[str, Any]]:
+    """Per layout ``(tp, dsp, pp, micro batch, micro batches, recompute)``: losses, main_grads, step-0 collectives."""
+    from megatron.core import parallel_state as ps
+    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
+
+    from dsp_plugin.megatron.cpu import install_cuda_shim, train_step, wrap_ddp
+    from dsp_plugin.megatron.full_attention import DSPFullAttentionLayer
+    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
+    from dsp_plugin.megatron.steps import build_model
+    from dsp_plugin.megatron.weights import global_parameter_name, load_reference_weights
+    from dsp_plugin.topology import set_topology
+
+    install_cuda_shim()
+    reference = reference_model().state_dict()
+    out = []
+    for tp, dsp, pp, mbs, num_mb, recompute in layouts:
+        initialize_dsp_model_parallel(tp=tp, dsp=dsp, pp=pp, timeout_minutes=2)
+        try:
+            config = tiny_config(tp, pp, recompute=recompute)
+            config.dsp_attend_pattern = PATTERN
+            model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN,
+                                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
+            load_reference_weights(model, reference)
+            ddp = wrap_ddp(model, config)
+            optimizer = torch.optim.SGD(ddp.module.parameters(), lr=LR)
+            data = dataset(steps)
+            sampler = MegatronPretrainingSampler(
+                total_samples=len(data), consumed_samples=0, micro_batch_size=mbs,
+                data_parallel_rank=ps.get_data_parallel_rank(), data_parallel_size=ps.get_data_parallel_world_size())
+            batches = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler))
+            losses, grads, collectives = [], [], None
+            tp_rank = ps.get_tensor_model_parallel_rank()
+            for step in range(steps):
+                with CommAccounting(activations=False) as acct:
+                    losses.append(train_step([ddp], batches, optimizer, num_microbatches=num_mb,
+                                             micro_batch_size=mbs, seq_length=VIDEO.tokens))
+                if step == 0:
+                    collectives = [(r.op, r.group_size, r.phase) for r in acct.records]
+                grads.append({
+                    global_parameter_name(name, model.layer_offset): (
+                        tp_rank, getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False)
+                        else None, p.main_grad.detach().numpy().copy())
+                    for name, p in model.named_parameters()})
+            kinds = ["full" if isinstance(layer, DSPFullAttentionLayer) else "factorized"
+                     for layer in model.decoder.layers]
+            out.append({"losses": losses, "grads": grads, "tp_rank": tp_rank, "collectives": collectives,
+                        "kinds": kinds, "stage_layers": len(model.decoder.layers)})
+        finally:
+            ps.destroy_model_parallel()
+            set_topology(None)
+    return out
