@@ -36,25 +36,29 @@ class FullBlock(AxialBlock):
 
 
 def reference_model() -> STDiT:
-    """The oracle with ``PATTERN``'s blocks; weights drawn from ``SEED`` (the same on every rank)."""
-    config = tiny_config(1, 1)
-    ref_config = STDiTConfig(depth=len(PATTERN) // 2, hidden_size=config.hidden_size,
-                             num_heads=config.num_attention_heads,
-                             mlp_ratio=config.ffn_hidden_size / config.hidden_size, in_channels=VIDEO.channels,
-                             patch_size=(1, 1, 1), text_dim=TEXT_DIM, axes=2)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SEED)
-        model = STDiT(ref_config)
-        blocks, positioned = [], set()
-        for kind in PATTERN:  # positions at the first block along each dim, as the Megatron layers add them
-            if kind == "full":
-                blocks.append(FullBlock(ref_config))
-                continue
-            dim = 2 if kind == "spatial" else 1
-            blocks.append(AxialBlock(ref_config, dim, add_pos_embed=dim not in positioned))
-            positioned.add(dim)
-        model.blocks = nn.ModuleList(blocks)
+    """The oracle with ``PATTERN``'s blocks and the weights ``build_model(seed=SEED)`` loads (any pattern)."""
+    from dsp_plugin.megatron.steps import reference_weights
+    from dsp_plugin.megatron.weights import reference_config
+
+    config = mixed_config(1, 1)
+    model = STDiT(reference_config(config, VIDEO.channels, TEXT_DIM, weights_only=True))
+    blocks, positioned = [], set()
+    for kind in PATTERN:  # positions at the first block along each dim, as the Megatron layers add them
+        if kind == "full":
+            blocks.append(FullBlock(model.config))
+            continue
+        dim = 2 if kind == "spatial" else 1
+        blocks.append(AxialBlock(model.config, dim, add_pos_embed=dim not in positioned))
+        positioned.add(dim)
+    model.blocks = nn.ModuleList(blocks)
+    model.load_state_dict(reference_weights(config, VIDEO, TEXT_DIM, SEED))
     return model
+
+
+def mixed_config(tp: int, pp: int, *, recompute: bool = False) -> Any:
+    config = tiny_config(tp, pp, recompute=recompute)
+    config.dsp_attend_pattern = PATTERN
+    return config
 
 
 def reference_run(steps: int) -> dict[str, Any]:
@@ -87,20 +91,17 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, i
     from dsp_plugin.megatron.full_attention import DSPFullAttentionLayer
     from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
     from dsp_plugin.megatron.steps import build_model
-    from dsp_plugin.megatron.weights import global_parameter_name, load_reference_weights
+    from dsp_plugin.megatron.weights import global_parameter_name
     from dsp_plugin.topology import set_topology
 
     install_cuda_shim()
-    reference = reference_model().state_dict()
     out = []
     for tp, dsp, pp, mbs, num_mb, recompute in layouts:
         initialize_dsp_model_parallel(tp=tp, dsp=dsp, pp=pp, timeout_minutes=2)
         try:
-            config = tiny_config(tp, pp, recompute=recompute)
-            config.dsp_attend_pattern = PATTERN
-            model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN,
+            config = mixed_config(tp, pp, recompute=recompute)
+            model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN, seed=SEED,
                                 pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
-            load_reference_weights(model, reference)
             ddp = wrap_ddp(model, config)
             optimizer = torch.optim.SGD(ddp.module.parameters(), lr=LR)
             data = dataset(steps)

@@ -58,3 +58,17 @@ def test_full_layers_are_built_and_switch_heads_twice_each_way(results: dict) ->
         # the temporal layer's switch (1 + 1) and the two full layers' head switches (2 + 2 each)
         assert dsp_all_to_all.count(("all_to_all", "forward")) == 1 + 2 * 2
         assert dsp_all_to_all.count(("all_to_all", "backward")) == 1 + 2 * 2
+
+
+@pytest.mark.slow
+def test_the_launch_trains_a_mixed_model_like_one_process() -> None:
+    """``./launch/run_megatron.sh --dsp-attend-pattern spatial,full,temporal,full`` (torchrun, megatron.training's
+    pretrain path on gloo) logs the losses of the same launch on one process without DSP."""
+    from tests.megatron_launch import launch
+
+    pattern = ("--dsp-attend-pattern", ",".join(PATTERN))
+    dsp, _ = launch(*pattern, NPROC="2", DSP="2")
+    single, _ = launch(*pattern, MODE="none", NPROC="1", DSP="1")
+    print(f"\nlaunch losses, mixed model: DSP=2 {dsp}, one process {single}")
+    assert sorted(dsp) == sorted(single) == [1, 2, 3]
+    assert max(abs(dsp[i] - single[i]) for i in dsp) < TOLERANCE
