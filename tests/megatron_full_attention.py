@@ -130,3 +130,51 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, i
             ps.destroy_model_parallel()
             set_topology(None)
     return out
+
+
+def core_attention_case(rank: int, n: int) -> list[float]:
+    """``HeadSwitchCoreAttention`` on this rank's shard against ``SDPACoreAttention`` on the full tokens.
+
+    GQA (4 query heads, 2 K/V groups), T = 5 and S = 3 uneven over ``n``; layer 2 is full and
+    receives the T shard (pattern spatial, full) or the S shard (temporal, full).
+    Returns the max |difference| of the output and of the q, k, v gradients, per case.
+    """
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from dsp_plugin.megatron.config import FRAME_DIM, DSPTransformerConfig, input_shard_dim
+    from dsp_plugin.megatron.full_attention import HeadSwitchCoreAttention
+    from dsp_plugin.megatron.layers import SDPACoreAttention
+
+    frames, patches, batch, heads, groups, size = 5, 3, 2, 4, 2, 8
+    diffs = []
+    for pattern in (("spatial", "full"), ("temporal", "full")):
+        config = DSPTransformerConfig(num_layers=2, hidden_size=heads * size, num_attention_heads=heads,
+                                      num_query_groups=groups, dsp_frames=frames, dsp_patches=patches,
+                                      dsp_attend_pattern=pattern, use_cpu_initialization=True,
+                                      attention_dropout=0.0, hidden_dropout=0.0)
+        pg = SimpleNamespace(cp=dist.group.WORLD)
+        ours = HeadSwitchCoreAttention(config, 2, AttnMaskType.no_mask, "self", pg_collection=pg,
+                                       local_attention=SDPACoreAttention)
+        reference = SDPACoreAttention(config, 2, AttnMaskType.no_mask, "self")
+        gen = torch.Generator().manual_seed(0)
+        full = [torch.randn(frames, patches, batch, h, size, generator=gen, dtype=torch.float64)
+                for h in (heads, groups, groups)]
+        grad = torch.randn(frames, patches, batch, heads * size, generator=gen, dtype=torch.float64)
+        dim = 0 if input_shard_dim(config, 2) == FRAME_DIM else 1
+
+        def shard(t: torch.Tensor, dim: int = dim) -> torch.Tensor:
+            return t.tensor_split(n, dim=dim)[rank].flatten(0, 1)
+
+        local = [shard(t).clone().requires_grad_(True) for t in full]
+        out = ours(*local, None)
+        out.backward(shard(grad))
+        whole = [t.flatten(0, 1).clone().requires_grad_(True) for t in full]
+        expected = reference(*whole, None)
+        expected.backward(grad.flatten(0, 1))
+        expected_grads = [shard(t.grad.view(frames, patches, *t.shape[1:])) for t in whole]
+        diffs.append(max([(out - shard(expected.view(frames, patches, batch, -1))).abs().max().item()]
+                         + [(t.grad - g).abs().max().item() for t, g in zip(local, expected_grads)]))
+    return diffs

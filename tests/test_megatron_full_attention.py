@@ -72,3 +72,12 @@ def test_the_launch_trains_a_mixed_model_like_one_process() -> None:
     print(f"\nlaunch losses, mixed model: DSP=2 {dsp}, one process {single}")
     assert sorted(dsp) == sorted(single) == [1, 2, 3]
     assert max(abs(dsp[i] - single[i]) for i in dsp) < TOLERANCE
+
+
+def test_head_switch_core_attention_gqa_on_either_shard() -> None:
+    """The core attention alone, GQA (4 heads, 2 groups) with uneven T = 5 and S = 3 on 2 ranks, sharded on T
+    and on S: output and q, k, v gradients equal SDPA on the full tokens (fp64)."""
+    from tests.megatron_full_attention import core_attention_case
+
+    for diffs in run_distributed(core_attention_case, 2):
+        assert max(diffs) < 1e-12, diffs
