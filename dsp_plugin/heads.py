@@ -123,6 +123,30 @@ class _Exchange:
         return shape
 
 
+def _exchange_blocks(blocks: list[list[torch.Tensor]], recv_shapes: list[list[list[int]]],
+                     ex: _Exchange) -> list[list[torch.Tensor]]:
+    """Send ``blocks[j]`` to rank ``j`` in ONE all-to-all; return rank ``i``'s blocks, shaped ``recv_shapes[i]``.
+
+    Pack: one copy per block into a flat send buffer. Unpack: views of the flat receive buffer.
+    """
+    flat = [block for row in blocks for block in row]
+    send = flat[0].new_empty(sum(block.numel() for block in flat))
+    start = 0
+    for block in flat:
+        send[start:start + block.numel()].view(block.shape).copy_(block)
+        start += block.numel()
+    recv = comm._all_to_all_flat(send, [sum(block.numel() for block in row) for row in blocks],
+                                 [sum(math.prod(shape) for shape in row) for row in recv_shapes], ex.group)
+    received, start = [], 0
+    for row in recv_shapes:
+        views = []
+        for shape in row:
+            views.append(recv[start:start + math.prod(shape)].view(shape))
+            start += math.prod(shape)
+        received.append(views)
+    return received
+
+
 def _seq_to_heads(tensors: tuple[torch.Tensor, ...], ex: _Exchange) -> tuple[torch.Tensor, ...]:
     """Each ``[.., c_rank, .., H_t, ..] -> [.., S, .., |R_rank(t)|, ..]``, all in one all-to-all.
 
@@ -130,23 +154,10 @@ def _seq_to_heads(tensors: tuple[torch.Tensor, ...], ex: _Exchange) -> tuple[tor
       recv block i = for each t:                            [.., c_i,    .., |R_rank(t)|, ..] from rank i
       out t        = its recv blocks concatenated along seq in rank order
     """
-    blocks = [t.narrow(ex.head_dim, *r[j]) for j in range(ex.n) for t, r in zip(tensors, ex.ranges)]
-    send = tensors[0].new_empty(sum(b.numel() for b in blocks))
-    start = 0
-    for block in blocks:  # pack: one copy per block into the flat send buffer
-        send[start:start + block.numel()].view(block.shape).copy_(block)
-        start += block.numel()
-    per_rank = len(tensors)
-    send_splits = [sum(b.numel() for b in blocks[j * per_rank:(j + 1) * per_rank]) for j in range(ex.n)]
-    shapes = [[ex.shape(t, tokens, r[ex.rank][1]) for t, r in zip(tensors, ex.ranges)] for tokens in ex.seq_sizes]
-    recv = comm._all_to_all_flat(send, send_splits, [sum(math.prod(s) for s in row) for row in shapes], ex.group)
-    parts: list[list[torch.Tensor]] = [[] for _ in tensors]
-    start = 0
-    for row in shapes:  # unpack: block i of every tensor is its rows from rank i
-        for k, shape in enumerate(row):
-            parts[k].append(recv[start:start + math.prod(shape)].view(shape))
-            start += math.prod(shape)
-    return tuple(torch.cat(p, dim=ex.seq_dim) for p in parts)
+    received = _exchange_blocks(
+        [[t.narrow(ex.head_dim, *r[j]) for t, r in zip(tensors, ex.ranges)] for j in range(ex.n)],
+        [[ex.shape(t, tokens, r[ex.rank][1]) for t, r in zip(tensors, ex.ranges)] for tokens in ex.seq_sizes], ex)
+    return tuple(torch.cat([row[k] for row in received], dim=ex.seq_dim) for k in range(len(tensors)))
 
 
 def _heads_to_seq(tensors: tuple[torch.Tensor, ...], ex: _Exchange) -> tuple[torch.Tensor, ...]:
@@ -156,32 +167,19 @@ def _heads_to_seq(tensors: tuple[torch.Tensor, ...], ex: _Exchange) -> tuple[tor
       recv block j = for each t:                            [.., c_rank, .., |R_j(t)|, ..]  from rank j
       out t        = block j in heads R_j(t): concatenated where the ranges tile the heads, else summed
     """
-    seq_starts = offsets(ex.seq_sizes)
-    blocks = [t.narrow(ex.seq_dim, seq_starts[i], ex.seq_sizes[i]) for i in range(ex.n) for t in tensors]
-    send = tensors[0].new_empty(sum(b.numel() for b in blocks))
-    start = 0
-    for block in blocks:
-        send[start:start + block.numel()].view(block.shape).copy_(block)
-        start += block.numel()
-    per_rank = len(tensors)
-    send_splits = [sum(b.numel() for b in blocks[i * per_rank:(i + 1) * per_rank]) for i in range(ex.n)]
-    mine = ex.seq_sizes[ex.rank]
-    shapes = [[ex.shape(t, mine, r[j][1]) for t, r in zip(tensors, ex.ranges)] for j in range(ex.n)]
-    recv = comm._all_to_all_flat(send, send_splits, [sum(math.prod(s) for s in row) for row in shapes], ex.group)
-    parts: list[list[torch.Tensor]] = [[] for _ in tensors]
-    start = 0
-    for row in shapes:
-        for k, shape in enumerate(row):
-            parts[k].append(recv[start:start + math.prod(shape)].view(shape))
-            start += math.prod(shape)
+    starts, mine = offsets(ex.seq_sizes), ex.seq_sizes[ex.rank]
+    received = _exchange_blocks(
+        [[t.narrow(ex.seq_dim, starts[i], ex.seq_sizes[i]) for t in tensors] for i in range(ex.n)],
+        [[ex.shape(t, mine, r[j][1]) for t, r in zip(tensors, ex.ranges)] for j in range(ex.n)], ex)
     outputs = []
-    for t, r, total, blocks_of_t in zip(tensors, ex.ranges, ex.heads, parts):
+    for k, (t, r, total) in enumerate(zip(tensors, ex.ranges, ex.heads)):
+        blocks = [row[k] for row in received]
         held = [(first, count) for first, count in r if count]
         if [first for first, _ in held] == offsets([count for _, count in held]):  # the ranges tile the heads
-            outputs.append(torch.cat(blocks_of_t, dim=ex.head_dim))
+            outputs.append(torch.cat(blocks, dim=ex.head_dim))
             continue
         out = t.new_zeros(ex.shape(t, mine, total))
-        for (first, count), block in zip(r, blocks_of_t):  # a head several ranks held: sum their parts
+        for (first, count), block in zip(r, blocks):  # a head several ranks held: sum their parts
             out.narrow(ex.head_dim, first, count).add_(block)
         outputs.append(out)
     return tuple(outputs)
