@@ -10,6 +10,9 @@ function of the layer pattern alone, so nothing but the tensor travels:
 - it leaves its output sharded on the dim it does **not** attend along;
 - so layer ``k`` receives the shard of ``other(attend(k - 1))``, and layer 1 the
   shard the model entry splits on, ``other(attend(1))`` (:func:`entry_shard_dim`).
+- a ``"full"`` layer attends over all ``T * S`` tokens through the head switch
+  (``dsp_plugin.megatron.full_attention``) and keeps its input's shard; the entry
+  shard is then set by the first factorized layer of the pattern (T if none).
 
 A layer whose input is sharded along its own attend dim switches first (one
 all-to-all, ``global_len`` from this config: no collective to learn lengths).
@@ -22,11 +25,12 @@ from dataclasses import dataclass
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-__all__ = ["ATTEND", "FRAME_DIM", "PATCH_DIM", "DSPTransformerConfig", "attend_dim", "entry_shard_dim",
+__all__ = ["ATTEND", "FRAME_DIM", "FULL", "PATCH_DIM", "DSPTransformerConfig", "attend_dim", "entry_shard_dim",
            "input_shard_dim", "output_shard_dim", "local_grid"]
 
 FRAME_DIM, PATCH_DIM = 1, 2  # dims of the token tensor [B, T, S, D]
-ATTEND = {"spatial": PATCH_DIM, "temporal": FRAME_DIM}
+FULL = None  # a "full" layer attends along no single dim: every token, heads switched (full_attention.py)
+ATTEND: dict[str, int | None] = {"spatial": PATCH_DIM, "temporal": FRAME_DIM, "full": FULL}
 
 
 @dataclass
@@ -63,8 +67,8 @@ class DSPTransformerConfig(TransformerConfig):
                              f"DSP group occupies parallel_state's CP slot), got {self.context_parallel_size}")
 
 
-def attend_dim(config: DSPTransformerConfig, layer_number: int) -> int:
-    """Token dim layer ``layer_number`` (1-based, global) attends along."""
+def attend_dim(config: DSPTransformerConfig, layer_number: int) -> int | None:
+    """Token dim layer ``layer_number`` (1-based, global) attends along; ``FULL`` (None) for a full layer."""
     pattern = config.dsp_attend_pattern
     return ATTEND[pattern[(layer_number - 1) % len(pattern)]]
 
@@ -74,13 +78,18 @@ def _other(dim: int) -> int:
 
 
 def output_shard_dim(config: DSPTransformerConfig, layer_number: int) -> int:
-    """Sharded dim of layer ``layer_number``'s output: the one it does not attend along."""
-    return _other(attend_dim(config, layer_number))
+    """Sharded dim of layer ``layer_number``'s output: the one it does not attend along (a full layer: its input's)."""
+    for k in range(layer_number, 0, -1):  # full layers keep the shard they receive
+        attended = attend_dim(config, k)
+        if attended is not FULL:
+            return _other(attended)
+    return entry_shard_dim(config)
 
 
 def entry_shard_dim(config: DSPTransformerConfig) -> int:
-    """Where the model entry splits the tokens: layer 1 then runs without a switch."""
-    return output_shard_dim(config, 1)
+    """Where the model entry splits the tokens: the first factorized layer then runs without a switch."""
+    factorized = [ATTEND[kind] for kind in config.dsp_attend_pattern if ATTEND[kind] is not FULL]
+    return _other(factorized[0]) if factorized else FRAME_DIM
 
 
 def input_shard_dim(config: DSPTransformerConfig, layer_number: int) -> int:

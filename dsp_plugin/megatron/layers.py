@@ -131,7 +131,7 @@ def dsp_layer_spec(transformer_impl: str = "local", *, cross_attention: bool = T
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-    from dsp_plugin.megatron.dsp_layer import DSPSpatialTemporalLayer
+    from dsp_plugin.megatron.full_attention import DSPVideoLayer  # spatial/temporal, or full (head switch)
 
     if transformer_impl == "local":
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear as column
@@ -162,4 +162,4 @@ def dsp_layer_spec(transformer_impl: str = "local", *, cross_attention: bool = T
                                                 submodules=CrossAttentionSubmodules(
                                                     linear_q=column, linear_kv=column, core_attention=core,
                                                     linear_proj=row))
-    return ModuleSpec(module=DSPSpatialTemporalLayer, submodules=submodules)
+    return ModuleSpec(module=DSPVideoLayer, submodules=submodules)

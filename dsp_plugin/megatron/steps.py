@@ -75,7 +75,7 @@ def reference_weights(config: DSPTransformerConfig, video: VideoShape, text_dim:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return STDiT(reference_config(config, video.channels, text_dim)).state_dict()
+        return STDiT(reference_config(config, video.channels, text_dim, weights_only=True)).state_dict()
 
 
 def build_model(config: DSPTransformerConfig, video: VideoShape, *, transformer_impl: str = "local",
@@ -142,10 +142,23 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--latent-width", type=int, default=4, help="latent patches along W")
     group.add_argument("--text-dim", type=int, default=16, help="text embedding width; 0: no cross-attention")
     group.add_argument("--text-len", type=int, default=4, help="text tokens per sample")
+    group.add_argument("--dsp-attend-pattern", type=_attend_pattern, default=("spatial", "temporal"),
+                       help="layer kinds, repeated over the layers: spatial, temporal, or full (every token, "
+                            "through the head switch), e.g. spatial,temporal,full")
     group.add_argument("--init-seed", type=int, default=None,
                        help="initialise weights from the plain-torch reference STDiT drawn with this seed "
                             "(independent of TP/DSP/PP: comparable loss curves)")
     return parser
+
+
+def _attend_pattern(text: str) -> tuple[str, ...]:
+    from dsp_plugin.megatron.config import ATTEND
+
+    kinds = tuple(kind.strip() for kind in text.split(","))
+    if not all(kind in ATTEND for kind in kinds):
+        raise argparse.ArgumentTypeError(f"--dsp-attend-pattern {text!r}: expected comma-separated kinds of "
+                                         f"{sorted(ATTEND)}")
+    return kinds
 
 
 def video_shape_from_args(args: argparse.Namespace) -> VideoShape:

@@ -50,11 +50,18 @@ def global_parameter_name(name: str, layer_offset: int) -> str:
     return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name, count=1)
 
 
-def reference_config(config: object, channels: int, text_dim: int | None) -> object:
-    """The ``STDiTConfig`` of the reference matching a ``DSPTransformerConfig``."""
+def reference_config(config: object, channels: int, text_dim: int | None, *, weights_only: bool = False) -> object:
+    """The ``STDiTConfig`` of the reference matching a ``DSPTransformerConfig``.
+
+    ``weights_only=True`` accepts any pattern of an even layer count: every layer
+    kind (spatial, temporal, full) has an ``AxialBlock``'s parameters, so the
+    alternating reference of the same depth draws the weights of any pattern (its
+    forward is the oracle of the alternating pattern only).
+    """
     from dsp_plugin.models.stdit import STDiTConfig
 
-    if config.num_layers % 2 or tuple(config.dsp_attend_pattern) != ("spatial", "temporal"):
+    alternating = tuple(config.dsp_attend_pattern) == ("spatial", "temporal")
+    if config.num_layers % 2 or not (alternating or weights_only):
         raise ValueError("reference_config: the reference alternates spatial and temporal blocks; got "
                          f"num_layers={config.num_layers}, pattern={config.dsp_attend_pattern}")
     return STDiTConfig(depth=config.num_layers // 2, hidden_size=config.hidden_size,
