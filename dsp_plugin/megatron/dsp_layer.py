@@ -195,6 +195,9 @@ class DSPSpatialTemporalLayer(TransformerLayer):
             raise ValueError(f"{name}: attention_mask must carry the {what} = [{hidden_states.shape[1]}, {width}], "
                              f"got {None if cond is None else tuple(cond.shape)}")
         grid, shard = video_grid(hidden_states, name)
+        cache = self.switch_cache if self.training else None  # first layer of a full-recompute chunk
+        if cache is not None:  # the checkpoint recomputes on a detached copy: keep this tagged object alive
+            cache.hold(attach_video_grid(hidden_states, grid, shard))
         if shard != self.input_shard_dim:
             raise ValueError(f"{name}: the hidden states are sharded on dim {shard}, but with the attend pattern "
                              f"{self.config.dsp_attend_pattern} this layer receives dim {self.input_shard_dim}")
@@ -203,11 +206,13 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         x = self._to_grid(hidden_states, grid, self.input_shard_dim)
         if self.input_shard_dim == self.attend_dim:  # S(attend) -> S(other): one all-to-all
             cur, tgt = self.attend_dim, self.output_shard_dim
-            if self.training and self.switch_cache is not None:  # full recompute: never replay the switch
-                x = self.switch_cache.switch(hidden_states, x, cur, tgt, group=group, cur_full=grid[cur - 1],
-                                             tgt_full=grid[tgt - 1])
+            if cache is not None:  # full recompute: never replay the switch
+                x = cache.switch(hidden_states, x, cur, tgt, group=group, cur_full=grid[cur - 1],
+                                 tgt_full=grid[tgt - 1])
             else:
                 x = dynamic_switch(x, cur, tgt, group=group, global_len=grid[cur - 1])
+        elif cache is not None:
+            cache.release(hidden_states)
         if self.add_positions:  # along the attended dim, which is never sharded: global positions
             length = x.shape[self.attend_dim]
             pos = sincos_positions(length, x.shape[-1], device=x.device, dtype=x.dtype)
