@@ -145,22 +145,29 @@ def parse_error(argv: list[str], world_size: int, *, launch: bool = False) -> st
 
 
 def _record_outputs(model: Any, sink: list) -> Any:
-    """Forward hook on the last stage: every step's output gathered over DSP, with its DP rank and micro-batch."""
+    """Forward hook on the last stage: each micro-batch's local output (gathered over DSP later, outside
+    the step's collective accounting), with its DP rank."""
     from megatron.core import parallel_state as ps
 
-    from dsp_plugin.comm import gather
     from dsp_plugin.megatron.config import output_shard_dim
 
     def hook(module: Any, args: tuple, output: torch.Tensor) -> None:
-        if not module.post_process or not module.training:
-            return
-        frames, height, width = args[0].shape[2:]
-        shard = output_shard_dim(module.config, module.config.num_layers)
-        full = gather(output.detach().contiguous(), shard, group=ps.get_context_parallel_group(),
-                      global_len=frames if shard == 1 else height * width)
-        sink.append((ps.get_data_parallel_rank(), full.numpy().copy()))
+        if module.post_process and module.training:
+            frames, height, width = args[0].shape[2:]
+            shard = output_shard_dim(module.config, module.config.num_layers)
+            sink.append((ps.get_data_parallel_rank(), output.detach().clone(), shard,
+                         frames if shard == 1 else height * width))
 
     return model.register_forward_hook(hook)
+
+
+def _gathered(sink: list) -> list:
+    from megatron.core import parallel_state as ps
+
+    from dsp_plugin.comm import gather
+
+    return [(dp_rank, gather(out, shard, group=ps.get_context_parallel_group(), global_len=full).numpy().copy())
+            for dp_rank, out, shard, full in sink]
 
 
 def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, int, int, bool]],
@@ -206,7 +213,7 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, i
                 with CommAccounting(activations=False) as acct:
                     losses.append(train_step([ddp], batches, optimizer, num_microbatches=num_mb,
                                              micro_batch_size=mbs, seq_length=VIDEO.tokens))
-                outputs.append(sink[:])
+                outputs.append(_gathered(sink))
                 sink.clear()
                 if step == 0:  # every collective of one step on this rank: (op, group size, phase)
                     collectives = [(r.op, r.group_size, r.phase) for r in acct.records]

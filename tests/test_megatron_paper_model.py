@@ -86,6 +86,14 @@ def test_one_rank_megatron_model_equals_the_reference(one_rank: None, geometry: 
         assert (model(latents, timestep, text, None) - ours).abs().max() > 1e-3
 
 
+def test_adaln_single_tables_are_in_the_sharded_checkpoint(one_rank: None) -> None:
+    """The new parameters (tables, t_block, q/k norms) are in Megatron's sharded state dict, replicated."""
+    _, model, _ = _oracle_pair()
+    keys = set(model.sharded_state_dict())
+    assert {"final_scale_shift_table", "decoder.layers.0.scale_shift_table", "t_block.1.weight",
+            "decoder.layers.3.self_attention.k_layernorm.weight"} <= keys, sorted(keys)
+
+
 def test_untagged_hidden_states_are_refused(one_rank: None) -> None:
     """The layers take (T, S) from the hidden states' ShardSpec only; a bare tensor gets a clear error."""
     config, model, _ = _oracle_pair()
