@@ -146,3 +146,18 @@ def test_layout_matches_the_reference(name: str, reference: dict, layouts: dict)
     print(f"\n{VARIANT} {name}: max relative diff outputs {diffs['outputs']:.1e}, grads {diffs['grads']:.1e}, "
           f"losses {diffs['losses']:.1e}")
     assert max(diffs.values()) < TOLERANCE, (name, diffs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["DSP=2", "PP=2 x DSP=2"])
+def test_full_recompute_replays_no_switch(name: str, layouts: dict) -> None:
+    """With every feature and changing buckets, full recompute issues exactly the all-to-alls of the plain
+    run: each chunk's first layer reuses its switch and keeps its tagged input for the recompute."""
+    def counts(result: dict) -> tuple[int, int]:
+        return tuple(sum(1 for op, size, ph in result["collectives"] if op == "all_to_all" and size == 2
+                         and ph == phase) for phase in ("forward", "backward"))
+
+    for plain, recompute in zip(layouts[name], layouts[f"{name} + full recompute"], strict=True):
+        switched = plain["stage_layers"] - (1 if plain["first_stage"] else 0)
+        expected = switched * LAYOUTS[name][4]  # one per switching layer and micro-batch
+        assert counts(plain) == counts(recompute) == (expected, expected), (counts(plain), counts(recompute))
