@@ -161,3 +161,22 @@ def test_full_recompute_replays_no_switch(name: str, layouts: dict) -> None:
         switched = plain["stage_layers"] - (1 if plain["first_stage"] else 0)
         expected = switched * LAYOUTS[name][4]  # one per switching layer and micro-batch
         assert counts(plain) == counts(recompute) == (expected, expected), (counts(plain), counts(recompute))
+
+
+#: ``MODE=none NPROC=1 DSP=1 ./launch/run_megatron.sh $LAUNCH_FLAGS`` (single process, Megatron Adam), measured
+SINGLE_PROCESS = {1: 1.196529746, 2: 1.239910722, 3: 0.9898111820}
+LAUNCH_FLAGS = ["--position-embedding-type", "rope", "--qk-layernorm", "--no-rope-fusion", "--spatial-rope",
+                "--adaln-single", "--varying-captions", "--video-buckets", "8,2,3;5,3,2;6,2,2", "--init-seed", "7"]
+
+
+@pytest.mark.slow
+def test_dsp2_launch_with_the_paper_flags_logs_the_single_process_losses() -> None:
+    """The real launch (megatron.training parsing, Megatron's optimizer, samplers, schedules) with every
+    feature and three buckets, one per iteration: DSP=2 logs the single-process losses."""
+    pytest.importorskip("megatron.training")
+    from tests.megatron_launch import launch
+
+    losses, _ = launch(*LAUNCH_FLAGS, NPROC="2", DSP="2")
+    print(f"\npaper-flag launch losses: DSP=2 {losses}, single process (measured) {SINGLE_PROCESS}")
+    assert sorted(losses) == [1, 2, 3]
+    assert max(abs(SINGLE_PROCESS[i] - losses[i]) for i in losses) < 1e-5, losses
