@@ -223,8 +223,8 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, i
                         else None, p.main_grad.detach().numpy().copy())  # numpy: pickled by value
                     for name, p in model.named_parameters()})
             hook.remove()
-            out.append({"losses": losses, "grads": grads, "outputs": outputs, "tp_rank": tp_rank, "collectives": collectives,
-                        "stage_layers": len(model.decoder.layers), "first_stage": model.pre_process,
+            out.append({"losses": losses, "grads": grads, "outputs": outputs, "tp_rank": tp_rank,
+                        "collectives": collectives, "stage_layers": len(model.decoder.layers), "first_stage": model.pre_process,
                         "bad_args_error": bad_args_error})
         finally:
             ps.destroy_model_parallel()
