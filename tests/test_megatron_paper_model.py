@@ -115,6 +115,38 @@ def test_none_mode_parses_the_paper_flags() -> None:
                                          "--mrope-section", "1", "1"], 1, launch=True)
 
 
+def _reference_under_the_plan(rank: int, world_size: int) -> dict[str, float]:
+    """The reference with every feature, DSP applied from outside (``models.plan``) vs one process."""
+    import copy
+
+    from dsp_plugin import reduce_gradients
+    from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+
+    torch.manual_seed(0)
+    reference = STDiT(STDiTConfig.preset("tiny", temporal_rope=True, spatial_rope=True, qk_norm="RMSNorm",
+                                         adaln_single=True))
+    model = parallelize(copy.deepcopy(reference))
+    gen = torch.Generator().manual_seed(1)
+    latents = torch.randn(2, 4, 5, 6, 4, generator=gen)  # T = 5, S = 3 x 2: uneven over 2 ranks
+    text, text_mask = torch.randn(2, 3, 16, generator=gen), torch.tensor([[1, 0, 0], [1, 1, 1]]).bool()
+    outs = []
+    for net in (reference, model):
+        out = net(latents, torch.tensor([5, 600]), text, text_mask)
+        out.square().mean().backward()
+        outs.append(out.detach())
+    reduce_gradients(model.parameters())
+    grads = max(((p.grad - q.grad).abs().max() / q.grad.abs().max()).item()
+                for p, q in zip(model.parameters(), reference.parameters(), strict=True))
+    return {"outputs": ((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item(), "grads": grads}
+
+
+def test_reference_features_are_shard_safe_under_the_plan() -> None:
+    """The oracle's own features hold under DSP=2 applied by the plan: the attended dim is whole on every
+    rank, so RoPE positions are global; the caption mask and adaLN-single are per sample."""
+    for diffs in run_distributed(_reference_under_the_plan, 2, timeout=120):
+        assert max(diffs.values()) < TOLERANCE, diffs
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return reference_run(STEPS, VARIANT)
