@@ -39,6 +39,7 @@ from dsp_plugin.megatron.steps import (  # noqa: E402
     add_model_arguments,
     forward_step,
     model_provider,
+    video_buckets_from_args,
     video_shape_from_args,
 )
 
@@ -57,7 +58,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp
     ``--eval-iters`` does not build a validation sampler behind the checkpoint's consumed samples. Every
     rank builds its own copy (deterministic, nothing to broadcast)."""
     args = get_args()
-    video, text = video_shape_from_args(args), {"text_dim": args.text_dim or None, "text_len": args.text_len}
+    video, text = video_shape_from_args(args), {"text_dim": args.text_dim or None, "text_len": args.text_len,
+                                                "varying_captions": args.varying_captions,
+                                                "buckets": video_buckets_from_args(args),
+                                                "bucket_size": args.global_batch_size}
     return tuple(SyntheticVideoDataset(video, n, seed=args.seed + split, **text) if n > 0 else None
                  for split, n in enumerate(train_val_test_num_samples))
 

@@ -145,14 +145,14 @@ def core_attention_case(rank: int, n: int) -> list[float]:
     from megatron.core.transformer.enums import AttnMaskType
 
     from dsp_plugin.megatron.config import FRAME_DIM, DSPTransformerConfig, input_shard_dim
-    from dsp_plugin.megatron.full_attention import HeadSwitchCoreAttention
+    from dsp_plugin.megatron.full_attention import HeadSwitchCoreAttention, attention_grid
     from dsp_plugin.megatron.layers import SDPACoreAttention
 
     frames, patches, batch, heads, groups, size = 5, 3, 2, 4, 2, 8
     diffs = []
     for pattern in (("spatial", "full"), ("temporal", "full")):
         config = DSPTransformerConfig(num_layers=2, hidden_size=heads * size, num_attention_heads=heads,
-                                      num_query_groups=groups, dsp_frames=frames, dsp_patches=patches,
+                                      num_query_groups=groups,
                                       dsp_attend_pattern=pattern, use_cpu_initialization=True,
                                       attention_dropout=0.0, hidden_dropout=0.0)
         pg = SimpleNamespace(cp=dist.group.WORLD)
@@ -169,7 +169,8 @@ def core_attention_case(rank: int, n: int) -> list[float]:
             return t.tensor_split(n, dim=dim)[rank].flatten(0, 1)
 
         local = [shard(t).clone().requires_grad_(True) for t in full]
-        out = ours(*local, None)
+        with attention_grid((frames, patches), input_shard_dim(config, 2)):
+            out = ours(*local, None)
         out.backward(shard(grad))
         whole = [t.flatten(0, 1).clone().requires_grad_(True) for t in full]
         expected = reference(*whole, None)

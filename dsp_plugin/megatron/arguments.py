@@ -82,6 +82,8 @@ def apply_dsp_arguments(args: argparse.Namespace, *, world_size: int) -> argpars
     mode = getattr(args, "sequence_parallel_mode", "none")
     if mode not in MODES:
         raise ValueError(f"--sequence-parallel-mode {mode!r} is not one of {', '.join(MODES)}")
+    if mode == "dsp" or hasattr(args, "latent_channels"):  # DSP layers, or the launch's own DSP model
+        check_position_embedding(args)
     dsp = getattr(args, "dsp_size", None)
     if mode == "none":
         if dsp not in (None, 1):
@@ -213,6 +215,29 @@ def check_launch_options(args: argparse.Namespace) -> None:
                          "its all-to-alls); use --cuda-graph-impl none")
 
 
+def check_position_embedding(args: argparse.Namespace) -> None:
+    """``--position-embedding-type`` values the DSP model takes (any mode; the launch's model is DSP layers).
+
+    RoPE is computed from each token's global frame (and, with ``--spatial-rope``, patch) index along
+    the attended dim, which DSP never shards; Megatron's fused RoPE kernel needs Transformer Engine.
+    """
+    from dsp_plugin.megatron.config import POSITION_EMBEDDINGS
+
+    kind = getattr(args, "position_embedding_type", None)
+    if kind is not None and kind not in POSITION_EMBEDDINGS:
+        raise ValueError(f"--position-embedding-type {kind}: the spatial-temporal DSP layers take one of "
+                         f"{', '.join(POSITION_EMBEDDINGS)} (rope: temporal RoPE from the global frame index)")
+    if kind == "rope" and getattr(args, "apply_rope_fusion", False):
+        from dsp_plugin.megatron.layers import te_available
+
+        if not te_available():
+            raise ValueError("--position-embedding-type rope: RoPE fusion (on by default) needs Transformer "
+                             "Engine, which is not importable here; pass --no-rope-fusion")
+    if getattr(args, "dsp_spatial_rope", False) and kind != "rope":
+        raise ValueError(f"--spatial-rope needs --position-embedding-type rope, got {kind}")
+
+
+
 def check_model_options(args: argparse.Namespace, dsp: int) -> None:
     """Options the DSP layers do not support, and shard shapes the chosen kernels cannot take.
 
@@ -223,11 +248,6 @@ def check_model_options(args: argparse.Namespace, dsp: int) -> None:
     if getattr(args, "sequence_parallel", False):
         raise ValueError("--sequence-parallel-mode dsp does not support --sequence-parallel (Megatron sequence "
                          "parallelism inside TP): DSP layers already shard the sequence; drop one of the two")
-    rope = getattr(args, "position_embedding_type", None)
-    if rope in ("rope", "mrope", "yarn"):
-        raise ValueError(f"--sequence-parallel-mode dsp does not support --position-embedding-type {rope}: "
-                         "Megatron slices rotary embeddings by context-parallel rank, which is not the DSP "
-                         "shard; DSP layers add sin-cos positions along the dim they attend (never sharded)")
     if getattr(args, "recompute_granularity", None) == "selective":
         modules = set(getattr(args, "recompute_modules", None) or ["core_attn"])
         if modules - {"core_attn"}:

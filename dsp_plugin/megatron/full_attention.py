@@ -33,7 +33,10 @@ head shard does not have, so full layers need ``--transformer-impl local``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
+from contextvars import ContextVar
 from functools import partial
 from typing import Any
 
@@ -49,12 +52,28 @@ from dsp_plugin.megatron.config import (
     FRAME_DIM,
     FULL,
     DSPTransformerConfig,
-    input_shard_dim,
     local_grid,
 )
-from dsp_plugin.megatron.dsp_layer import DSPSpatialTemporalLayer
+from dsp_plugin.megatron.dsp_layer import DSPSpatialTemporalLayer, video_grid
 
-__all__ = ["DSPFullAttentionLayer", "DSPVideoLayer", "HeadSwitchCoreAttention", "layer_kind"]
+__all__ = ["DSPFullAttentionLayer", "DSPVideoLayer", "HeadSwitchCoreAttention", "attention_grid", "layer_kind"]
+
+# The global (T, S) grid and the sharded dim of the hidden states the enclosing full layer is running on.
+# Megatron's SelfAttention hands its core attention only q, k and v (new tensors, untagged), so the
+# layer scopes its input's ShardSpec here for the duration of its own forward: a ContextVar is local to
+# the thread and restored on exit, so two forwards in two threads, re-entrant calls and the recompute
+# under full activation checkpointing (which re-runs the layer's forward) each see their own grid.
+_GRID: ContextVar[tuple[tuple[int, int], int] | None] = ContextVar("dsp_full_attention_grid", default=None)
+
+
+@contextlib.contextmanager
+def attention_grid(grid: tuple[int, int], shard_dim: int) -> Iterator[None]:
+    """Scope the global ``grid = (T, S)`` and the sharded dim (1: T, 2: S) for :class:`HeadSwitchCoreAttention`."""
+    token = _GRID.set((tuple(grid), int(shard_dim)))  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        _GRID.reset(token)
 
 
 def layer_kind(config: DSPTransformerConfig, layer_number: int) -> str:
@@ -69,8 +88,9 @@ class HeadSwitchCoreAttention(MegatronModule):
     Megatron's core-attention contract: q ``[s, b, h, d]``, k and v ``[s, b, h_kv, d]``
     -> ``[s, b, h * d]``, here with ``s`` the local tokens ``T_x * S_x``. The switch
     runs along the sharded video dim (``[T_x, S_x, ..]`` unflattened), whose global
-    length is the config's, so the full sequence arrives in row-major ``(t, s)``
-    order. ``local_attention`` is the core attention class the layer spec names
+    length comes from the layer's input, so the full sequence arrives in row-major ``(t, s)``
+    order; the global lengths are those of the enclosing layer's input tag, scoped by
+    :func:`attention_grid`. ``local_attention`` is the core attention class the layer spec names
     (it must accept any head count, as :class:`~dsp_plugin.megatron.layers.SDPACoreAttention`
     does). The DSP group is ``pg_collection.cp``.
     """
@@ -92,10 +112,15 @@ class HeadSwitchCoreAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
-        shard = input_shard_dim(self.config, self.layer_number)  # a full layer keeps its input's shard
-        frames, patches = local_grid(self.config, shard, self.group.size(), self.group.rank())
+        scoped = _GRID.get()
+        if scoped is None:
+            raise ValueError(f"HeadSwitchCoreAttention (layer {self.layer_number}): no video grid in scope; it runs "
+                             "inside DSPFullAttentionLayer, or under attention_grid((T, S), shard_dim) when called "
+                             "directly")
+        grid, shard = scoped  # a full layer keeps its input's shard
+        frames, patches = local_grid(grid, shard, self.group.size(), self.group.rank())
         seq_dim = 0 if shard == FRAME_DIM else 1
-        full_len = self.config.dsp_frames if shard == FRAME_DIM else self.config.dsp_patches
+        full_len = grid[shard - FRAME_DIM]
         # [T_x * S_x, b, h, d] -> [T_x, S_x, b, h, d] -> (to_heads) [T, S, b, h_r, d]
         q, k, v = (t.unflatten(0, (frames, patches)) for t in (query, key, value))
         q, k, v = to_heads(q, k, v, seq_dim=seq_dim, head_dim=3, group=self.group, global_len=full_len)
@@ -135,6 +160,12 @@ class DSPFullAttentionLayer(DSPSpatialTemporalLayer):
                              f"{layer_kind(config, self.layer_number)!r} in dsp_attend_pattern="
                              f"{config.dsp_attend_pattern}; expected 'full'")
         self.add_positions = False
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The factorized layer's forward with the input's global grid scoped for the head switch."""
+        grid, shard = video_grid(hidden_states, f"{type(self).__name__} {self.layer_number}")
+        with attention_grid(grid, shard):
+            return super().forward(hidden_states, *args, **kwargs)
 
     def _fold(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T_x, S_x, D] -> [T_x * S_x, B, D]``: the local tokens as one sequence (the head switch spans them)."""

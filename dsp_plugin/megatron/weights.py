@@ -29,9 +29,12 @@ _RENAMES = {
     "attn.proj": "self_attention.linear_proj", "cross.q": "cross_attention.linear_q",
     "cross.proj": "cross_attention.linear_proj", "norm_cross": "pre_cross_attn_layernorm",
     "mlp.0": "mlp.linear_fc1", "mlp.2": "mlp.linear_fc2", "adaln.1": "adaln_modulation",
+    "attn.q_norm": "self_attention.q_layernorm", "attn.k_norm": "self_attention.k_layernorm",
 }
 _TOP = {"t_embedder.mlp.0": "time_embed.0", "t_embedder.mlp.2": "time_embed.2", "text_proj": "text_proj",
-        "final_layer.adaln.1": "final_adaln.1", "final_layer.linear": "head"}
+        "final_layer.adaln.1": "final_adaln.1", "final_layer.linear": "head", "t_block.1": "t_block.1"}
+#: parameters that are not a module's weight or bias (adaLN-single's tables)
+_TABLES = {"final_layer.scale_shift_table": "final_scale_shift_table"}
 
 
 def parameter_device(config: object) -> torch.device:
@@ -64,9 +67,16 @@ def reference_config(config: object, channels: int, text_dim: int | None, *, wei
     if config.num_layers % 2 or not (alternating or weights_only):
         raise ValueError("reference_config: the reference alternates spatial and temporal blocks; got "
                          f"num_layers={config.num_layers}, pattern={config.dsp_attend_pattern}")
+    if not config.dsp_sincos_positions or config.position_embedding_type == "none":
+        raise ValueError("reference_config: the reference always adds sin-cos positions where RoPE does not rotate")
+    rope = config.position_embedding_type == "rope"
     return STDiTConfig(depth=config.num_layers // 2, hidden_size=config.hidden_size,
                        num_heads=config.num_attention_heads, mlp_ratio=config.ffn_hidden_size / config.hidden_size,
-                       in_channels=channels, patch_size=(1, 1, 1), text_dim=text_dim, axes=2)
+                       in_channels=channels, patch_size=(1, 1, 1), text_dim=text_dim, axes=2,
+                       temporal_rope=rope, spatial_rope=rope and config.dsp_spatial_rope,
+                       rope_base=float(config.rotary_base),
+                       qk_norm=config.normalization if config.qk_layernorm else None,
+                       adaln_single=config.dsp_adaln_single)
 
 
 def _heads(t: torch.Tensor, parts: int, heads: int) -> torch.Tensor:
@@ -78,9 +88,14 @@ def megatron_names(reference: dict[str, torch.Tensor], num_heads: int) -> dict[s
     """Reference state (or gradient) dict -> ``{global Megatron name: full tensor}``."""
     out: dict[str, torch.Tensor] = {}
     for name, value in reference.items():
-        if name.startswith("blocks."):
+        if name in _TABLES:
+            out[_TABLES[name]] = value
+        elif name.startswith("blocks."):
             _, index, rest = name.split(".", 2)
             prefix = f"decoder.layers.{index}."
+            if rest == "scale_shift_table":
+                out[prefix + rest] = value
+                continue
             module, kind = rest.rsplit(".", 1)
             if module == "attn.q":
                 continue  # with attn.kv below
