@@ -29,26 +29,32 @@ GLOBAL_BATCH = 2
 SEED = 1234
 LR = 0.1
 
+#: Full recompute: False (none), True (``uniform``, 1 layer per chunk) or ``(recompute_method, recompute_num_layers)``.
+Recompute = bool | tuple[str, int]
 #: name -> (tp, dsp, pp, micro_batch_size, num_microbatches, recompute), on 4 ranks
-COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {
+COMPOSITIONS: dict[str, tuple[int, int, int, int, int, Recompute]] = {
     "DSP=4": (1, 4, 1, 2, 1, False),
     "DSP=2 x DP=2": (1, 2, 1, 1, 1, False),
     "TP=2 x DSP=2": (2, 2, 1, 2, 1, False),
     "PP=2 x DSP=2": (1, 2, 2, 1, 2, False),
     "PP=2 x DSP=2 + full recompute": (1, 2, 2, 1, 2, True),
 }
-#: on 2 ranks: DSP alone, without and with full recompute (uniform, 1 layer per chunk)
-TWO_RANK_COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {
+#: on 2 ranks: DSP alone, without and with full recompute: uniform with 1 and 2 layers per chunk, and block
+#: (the first 2 layers checkpointed one by one); the 4 layers' switches: layers 2, 3, 4 (1-based)
+TWO_RANK_COMPOSITIONS: dict[str, tuple[int, int, int, int, int, Recompute]] = {
     "DSP=2": (1, 2, 1, 2, 1, False),
     "DSP=2 + full recompute": (1, 2, 1, 2, 1, True),
+    "DSP=2 + full recompute uniform 2": (1, 2, 1, 2, 1, ("uniform", 2)),
+    "DSP=2 + full recompute block 2": (1, 2, 1, 2, 1, ("block", 2)),
 }
 
 
-def tiny_config(tp: int, pp: int, *, recompute: bool = False, dtype: str = "fp32") -> Any:
+def tiny_config(tp: int, pp: int, *, recompute: Recompute = False, dtype: str = "fp32") -> Any:
     from dsp_plugin.megatron.steps import dsp_config, gelu_tanh
 
-    recompute_args = dict(recompute_granularity="full", recompute_method="uniform",
-                          recompute_num_layers=1) if recompute else {}
+    method, layers = recompute if isinstance(recompute, tuple) else ("uniform", 1)
+    recompute_args = dict(recompute_granularity="full", recompute_method=method,
+                          recompute_num_layers=layers) if recompute else {}
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     return dsp_config(
         VIDEO, num_layers=4, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
@@ -116,7 +122,7 @@ def parse_error(argv: list[str], world_size: int) -> str:
     return ""
 
 
-def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, int, int, bool]],
+def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, int, int, Recompute]],
                 steps: int, bad_argv: list[str] | None = None) -> list[dict[str, Any]]:
     """For each layout: ``{"losses": [(value, count) | None], "grads": [{global_name: (tp_rank, dim, grad)}]}``
     plus the collectives of step 0 on this rank.
