@@ -29,8 +29,10 @@ GLOBAL_BATCH = 2
 SEED = 1234
 LR = 0.1
 
+#: Full recompute: False (none), True (``uniform``, 1 layer per chunk) or ``(recompute_method, recompute_num_layers)``.
+Recompute = bool | tuple[str, int]
 #: name -> (tp, dsp, pp, micro_batch_size, num_microbatches, recompute), on 4 ranks
-COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {
+COMPOSITIONS: dict[str, tuple[int, int, int, int, int, Recompute]] = {
     "DSP=4": (1, 4, 1, 2, 1, False),
     "DSP=2 x DP=2": (1, 2, 1, 1, 1, False),
     "TP=2 x DSP=2": (2, 2, 1, 2, 1, False),
@@ -50,18 +52,23 @@ PAPER_FOUR_RANK = {
     "PP=2 x DSP=2": (1, 2, 2, 1, 2, False),
     "PP=2 x DSP=2 + full recompute": (1, 2, 2, 1, 2, True),
 }
-#: on 2 ranks: DSP alone, without and with full recompute (uniform, 1 layer per chunk)
-TWO_RANK_COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {
+#: on 2 ranks: DSP alone, without and with full recompute: uniform with 1 and 2 layers per chunk, and block
+#: (the first 2 layers checkpointed one by one); the 4 layers' switches: layers 2, 3, 4 (1-based)
+TWO_RANK_COMPOSITIONS: dict[str, tuple[int, int, int, int, int, Recompute]] = {
     "DSP=2": (1, 2, 1, 2, 1, False),
     "DSP=2 + full recompute": (1, 2, 1, 2, 1, True),
+    "DSP=2 + full recompute uniform 2": (1, 2, 1, 2, 1, ("uniform", 2)),
+    "DSP=2 + full recompute block 2": (1, 2, 1, 2, 1, ("block", 2)),
 }
 
 
-def tiny_config(tp: int, pp: int, *, recompute: bool = False, dtype: str = "fp32", variant: str = "plain") -> Any:
+def tiny_config(tp: int, pp: int, *, recompute: Recompute = False, dtype: str = "fp32",
+                variant: str = "plain") -> Any:
     from dsp_plugin.megatron.steps import dsp_config, gelu_tanh
 
-    recompute_args = dict(recompute_granularity="full", recompute_method="uniform",
-                          recompute_num_layers=1) if recompute else {}
+    method, layers = recompute if isinstance(recompute, tuple) else ("uniform", 1)
+    recompute_args = dict(recompute_granularity="full", recompute_method=method,
+                          recompute_num_layers=layers) if recompute else {}
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r} is not one of {VARIANTS}")
@@ -170,7 +177,7 @@ def _gathered(sink: list) -> list:
             for dp_rank, out, shard, full in sink]
 
 
-def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, int, int, bool]],
+def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, int, int, Recompute]],
                 steps: int, bad_argv: list[str] | None = None, variant: str = "plain") -> list[dict[str, Any]]:
     """For each layout: ``{"losses": [(value, count) | None], "grads": [{global_name: (tp_rank, dim, grad)}],
     "outputs": [[(dp_rank, full output of one micro-batch)]]}`` plus the collectives of step 0 on this rank.
@@ -224,7 +231,8 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, i
                     for name, p in model.named_parameters()})
             hook.remove()
             out.append({"losses": losses, "grads": grads, "outputs": outputs, "tp_rank": tp_rank,
-                        "collectives": collectives, "stage_layers": len(model.decoder.layers), "first_stage": model.pre_process,
+                        "collectives": collectives, "stage_layers": len(model.decoder.layers),
+                        "first_stage": model.pre_process,
                         "bad_args_error": bad_args_error})
         finally:
             ps.destroy_model_parallel()
