@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dsp_plugin.comm import dynamic_switch, gather, reduce_gradients, split
 from dsp_plugin.data import dsp_dataloader
+from dsp_plugin.plan import parallelize
 from dsp_plugin.topology import Topology, get_topology, set_topology
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "dynamic_switch",
     "gather",
     "get_topology",
+    "parallelize",
     "reduce_gradients",
     "set_topology",
     "split",

@@ -1,0 +1,50 @@
+"""Built-in plans, found from the model's class name (or its ``_dsp_plan`` attribute).
+
+Each plan is the whole of what DSP needs to know about the model; the line count
+of each is reported in docs/models.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Split
+
+__all__ = ["LATTE_PLAN", "WAN_PLAN", "builtin_plan"]
+
+# diffusers' LatteTransformer3DModel: spatial blocks on [B*T, S, D], temporal blocks on [B*S, T, D], the model
+# reshaping between them inline with its own B. Shard the folded rows: the frames (T) for spatial blocks, the
+# patches (S) for temporal blocks; each block's output leaves with the placement the next reshape needs.
+LATTE_PLAN: dict[str, Any] = {
+    "": Grid(B=("hidden_states", 0)),
+    "pos_embed": Split("out", "(B T) S D", shard="T"),
+    "transformer_blocks.*": Block("(B T) S D", attends="S", then="T", out_shard="S",
+                                  follow={"encoder_hidden_states": "(B T)", "timestep": "(B T)"}),
+    "temporal_transformer_blocks.*": Block("(B S) T D", attends="T", then="S", out_shard="T",
+                                           follow={"timestep": "(B S)"}),
+    "norm_out": Gather(0, "(B T) S D"),
+}
+
+# diffusers' WanTransformer3DModel: full 3D attention over the flattened [B, F*H*W, D] tokens. Shard the tokens
+# at the first block (3D RoPE is computed for the global grid and split the same way), self-attention through
+# the head switch, text cross-attention local; gather after the output projection.
+WAN_PLAN: dict[str, Any] = {
+    "rope": Split("out", "O S P Dr", shard="S"),
+    "blocks.0": Split("hidden_states", "B S D", shard="S"),
+    "blocks.*": Block("B S D", arg="hidden_states"),
+    "blocks.*.attn1": Heads(),
+    "proj_out": Gather("out", "B S D"),
+}
+
+_BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "WanTransformer3DModel": WAN_PLAN}
+
+
+def builtin_plan(model: Any) -> Any:
+    """The plan for ``model``: its ``_dsp_plan``, else the built-in one for its class, else None."""
+    own = getattr(model, "_dsp_plan", None)
+    if own is not None:
+        return own
+    for cls in type(model).__mro__:
+        if cls.__name__ in _BY_CLASS:
+            return _BY_CLASS[cls.__name__]
+    return None
