@@ -24,6 +24,10 @@ from dsp_plugin.adapters.tiny import tiny_latte, tiny_wan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 LAYERS = 2
+# Wan's own blocks compute the adaLN modulation in fp32 (``temb.float()``, ``norm1(hidden_states.float())``) even
+# in an fp64 model, so the gradients of the parameters before it (the time embedder, ~0.04) carry fp32
+# rounding of the summation order: measured up to 1.0e-9 absolute (2.6e-8 relative). Everything else is fp64.
+TOLERANCE = {"latte": {"out": 1e-9, "dx": 1e-9, "grads": 1e-9}, "wan": {"out": 1e-9, "dx": 1e-9, "grads": 5e-9}}
 
 
 def _batch(model: str) -> tuple[torch.Tensor, ...]:
@@ -84,7 +88,7 @@ def test_parallelize_equals_unmodified_model(name: str, n: int) -> None:
     for rank, d in enumerate(run_distributed(_parallel, n, name)):
         print(f"{name} n={n} rank {rank}: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items()))
         for key in ("out", "dx", "grads", "ckpt_out", "ckpt_dx", "ckpt_grads"):
-            assert d[key] < 1e-9, f"{name} rank {rank}/{n}: {key} differs by {d[key]:.3g}"
+            assert d[key] < TOLERANCE[name][key.removeprefix("ckpt_")], f"{name} rank {rank}/{n}: {key} {d[key]:.3g}"
         # per layer: Wan one head switch there and one back (self-attention only; cross-attention local),
         # Latte one switch after each of its two blocks; the exit is one all_gather, the entry none
         assert d["fwd_all_to_all"] == 2 * LAYERS, d
