@@ -47,25 +47,12 @@ class _HeadSwitchMode(TorchFunctionMode):
         if q.shape[-2] != k.shape[-2]:
             raise ValueError(f"{self.where}: Heads is for self-attention; got {q.shape[-2]} queries and "
                              f"{k.shape[-2]} keys on this rank (leave cross-attention out of Heads)")
-        to_heads, from_heads = _head_switch()
+        from dsp_plugin.heads import from_heads, to_heads
+
         heads = q.shape[1]
         q, k, v = to_heads(q, k, v, seq_dim=2, head_dim=1, group=self.group, global_len=self.global_len)
         out = func(q, k, v, **call)
         return from_heads(out, seq_dim=2, head_dim=1, group=self.group, global_len=self.global_len, heads=heads)
-
-
-def _head_switch() -> tuple[Any, Any]:
-    try:
-        from dsp_plugin.heads import from_heads, to_heads
-    except ImportError:  # TEMPORARY until the head switch lands: three switches and one back
-        from dsp_plugin.comm import dynamic_switch
-
-        def to_heads(q, k, v, *, seq_dim, head_dim, group, global_len):  # noqa: ANN001, ANN202
-            return tuple(dynamic_switch(t, seq_dim, head_dim, group=group, global_len=global_len) for t in (q, k, v))
-
-        def from_heads(out, *, seq_dim, head_dim, group, global_len, heads):  # noqa: ANN001, ANN202
-            return dynamic_switch(out, head_dim, seq_dim, group=group, global_len=heads)
-    return to_heads, from_heads
 
 
 def enter_heads(where: str, group: Any) -> None:
