@@ -61,16 +61,16 @@ class DividedSpaceTime(nn.Module):
         cond = frame_cond.reshape(b * t, -1)                           # one row per (b, t)
         for spatial, temporal in zip(self.spatial, self.temporal):
             x = spatial(x, cond)
-            x = x.reshape(b, -1, x.shape[1], x.shape[2]).transpose(1, 2).reshape(-1, t, x.shape[2])
-            x = temporal(x)                                            # [B*S, T, D]
-            x = x.reshape(b, -1, t, x.shape[2]).transpose(1, 2).reshape(b * t, -1, x.shape[2])
+            x = x.reshape(b, -1, *x.shape[1:]).transpose(1, 2).flatten(0, 1)  # [B*S, T, D]
+            x = temporal(x)
+            x = x.reshape(b, -1, *x.shape[1:]).transpose(1, 2).flatten(0, 1)  # [B*T, S, D]
         return self.out(self.norm(x)).reshape(b, t, s, c)
 
 
 class VideoViT(nn.Module):
     """``video [B, T, S, C]`` -> class logits ``[B, classes]``, full attention over CLS + T*S tokens."""
 
-    def __init__(self, channels: int = 4, dim: int = 16, heads: int = 3, layers: int = 2, classes: int = 5,
+    def __init__(self, channels: int = 4, dim: int = 18, heads: int = 3, layers: int = 2, classes: int = 5,
                  seed: int = 0) -> None:
         super().__init__()
         torch.manual_seed(seed)
