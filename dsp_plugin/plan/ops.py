@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsp_plugin import comm
 from dsp_plugin import layout as carrier
 from dsp_plugin.comm import chunk_sizes, dynamic_switch, gather, group_rank, group_size
 from dsp_plugin.packing import offsets
@@ -152,6 +153,7 @@ def partial_split(where: str, x: torch.Tensor, axis_index: int, group: Any) -> t
         raise ValueError(f"{where}: a sequence axis of length {length} cannot be split over {n} ranks; expected "
                          f"at least one element per rank (length >= {n})")
     sizes = chunk_sizes(length, n)
+    comm._count_sharded_call()  # a shard is made: what the DeepSpeed guard checks a DSP model does
     return _PartialSplit.apply(x, axis_index, offsets(sizes)[rank], sizes[rank])
 
 
