@@ -45,10 +45,11 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def _worker(rank: int, n: int) -> dict[str, float]:
     torch.set_default_dtype(torch.float64)
     result: dict[str, float] = {}
+    models = {}
     for i, code in enumerate(_plan_blocks()):
         scope: dict = {"__name__": "__docs__"}
         exec(compile(code, "docs/models.md", "exec"), scope)  # noqa: S102 - our own docs; asserts the output
-        model = scope["model"]
+        model = models[i] = scope["model"]
         reference = DividedSpaceTime() if i == 0 else VideoViT()
         g = torch.Generator().manual_seed(1)
         video = torch.randn(2, 5, 9, 4, generator=g)
@@ -79,6 +80,11 @@ def _worker(rank: int, n: int) -> dict[str, float]:
                 reduce_gradients(m.parameters())
             o.step()
     result["trained"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    # too few frames for the group: the same clear error on every rank, before any collective
+    try:
+        models[0](torch.randn(2, 1, 9, 4), torch.randn(2, 1, 16))
+    except ValueError as exc:
+        result["too_short"] = str(exc)
     dist.barrier()
     return result
 
@@ -87,6 +93,8 @@ def _worker(rank: int, n: int) -> dict[str, float]:
 def test_doc_plans_on_ranks(n: int) -> None:
     for rank, d in enumerate(run_distributed(_worker, n)):
         print(f"n={n} rank {rank}: {d}")
+        d = dict(d)
+        assert "cannot be split over" in d["too_short"] and f"length >= {n}" in d["too_short"], d
         for key in ("0_grads", "1_grads", "trained"):
             assert d[key] < 1e-12, (rank, key, d)
         assert d["0_all_to_all"] == 4 and d["1_all_to_all"] == 4, d   # 2 layers x (one switch there, one back)
