@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Split
+from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
 __all__ = ["LATTE_PLAN", "WAN_PLAN", "builtin_plan"]
 
@@ -25,15 +25,17 @@ LATTE_PLAN: dict[str, Any] = {
     "norm_out": Gather(0, "(B T) S D"),
 }
 
-# diffusers' WanTransformer3DModel: full 3D attention over the flattened [B, F*H*W, D] tokens. Shard the tokens
-# at the first block (3D RoPE is computed for the global grid and split the same way), self-attention through
-# the head switch, text cross-attention local; gather after the output projection.
+# diffusers' WanTransformer3DModel: full 3D attention over the flattened [B, F*H*W, D] tokens (patch size 1 in
+# time). Shard whole frames of tokens at the first block (3D RoPE is computed for the global grid and split the
+# same way), self-attention through the head switch, text cross-attention local; gather after the output
+# projection. Whole frames keep the latents [B, C, F, H, W] shardable on F for sampling (sharded_io).
 WAN_PLAN: dict[str, Any] = {
-    "rope": Split("out", "O S P Dr", shard="S"),
-    "blocks.0": Split("hidden_states", "B S D", shard="S"),
-    "blocks.*": Block("B S D", arg="hidden_states"),
+    "": Grid(F=("hidden_states", 2)),
+    "rope": [Positions("hidden_states", {2: "F"}), Split("out", "O (F HW) P Dr", shard="F")],
+    "blocks.0": Split("hidden_states", "B (F HW) D", shard="F"),
+    "blocks.*": Block("B (F HW) D", arg="hidden_states"),
     "blocks.*.attn1": Heads(),
-    "proj_out": Gather("out", "B S D"),
+    "proj_out": Gather("out", "B (F HW) D"),
 }
 
 _BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "WanTransformer3DModel": WAN_PLAN}

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+
 __all__ = ["enter_heads", "exit_heads"]
 
 _local = threading.local()
@@ -29,9 +31,11 @@ _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale"
 
 
 class _HeadSwitchMode(TorchFunctionMode):
-    def __init__(self, where: str, global_len: int, group: Any) -> None:
+    def __init__(self, where: str, lengths: list[tuple[int, int]], axis: int, group: Any) -> None:
         super().__init__()
-        self.where, self.global_len, self.group = where, global_len, group
+        # the sequence dim may fold several axes (Wan's F*H*W tokens sharded on F): (local, global) length
+        # of each, and which one is sharded; the switch runs on that axis of the unfolded view
+        self.where, self.lengths, self.axis, self.group = where, lengths, axis, group
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -49,10 +53,13 @@ class _HeadSwitchMode(TorchFunctionMode):
                              f"{k.shape[-2]} keys on this rank (leave cross-attention out of Heads)")
         from dsp_plugin.heads import from_heads, to_heads
 
-        heads = q.shape[1]
-        q, k, v = to_heads(q, k, v, seq_dim=2, head_dim=1, group=self.group, global_len=self.global_len)
-        out = func(q, k, v, **call)
-        return from_heads(out, seq_dim=2, head_dim=1, group=self.group, global_len=self.global_len, heads=heads)
+        heads, local, full = q.shape[1], [a for a, _ in self.lengths], [b for _, b in self.lengths]
+        seq, width = 2 + self.axis, len(self.lengths)
+        q, k, v = (t.unflatten(2, local) for t in (q, k, v))
+        q, k, v = to_heads(q, k, v, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis])
+        out = func(*(t.flatten(2, 1 + width) for t in (q, k, v)), **call).unflatten(2, full)
+        out = from_heads(out, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis], heads=heads)
+        return out.flatten(2, 1 + width)
 
 
 def enter_heads(where: str, group: Any) -> None:
@@ -64,10 +71,9 @@ def enter_heads(where: str, group: Any) -> None:
                          f"the global sequence length)")
     grid, shard, lay = block
     names = lay.dims[lay.dim_of(shard)]
-    length = 1
-    for a in names:
-        length *= grid[a]
-    mode = _HeadSwitchMode(where, length, group)
+    n, rank = group_size(group), group_rank(group)
+    lengths = [(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a], grid[a]) for a in names]
+    mode = _HeadSwitchMode(where, lengths, names.index(shard), group)
     mode.__enter__()
     if not hasattr(_local, "modes"):
         _local.modes = []

@@ -53,15 +53,24 @@ def read_spec(x: torch.Tensor, lay: Layout) -> tuple[dict[str, int], str] | None
     return grid, lay.dims[spec.dim][spec.axis]
 
 
-def infer_grid(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int]) -> dict[str, int]:
-    """``grid`` completed with the axes of the FULL tensor ``x`` (at most one unknown axis per dim)."""
+def infer_grid(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], *, shard: str | None = None,
+               group: Any = None) -> dict[str, int]:
+    """``grid`` completed with the axes of ``x`` (at most one unknown axis per dim).
+
+    ``x`` is the full tensor, or with ``shard`` this rank's shard of that axis (whose global length is in ``grid``).
+    """
+    n, rank = group_size(group), group_rank(group)
+
+    def length(a: str) -> int:
+        return chunk_sizes(out[a], n)[rank] if a == shard else out[a]
+
     if x.dim() != len(lay.dims):
         raise ValueError(f"{where}: expected a {len(lay.dims)}-dim tensor in layout '{lay}', got shape "
                          f"{tuple(x.shape)}")
     out = dict(grid)
     for d, names in enumerate(lay.dims):
         unknown = [a for a in names if a not in out]
-        known = math.prod(out[a] for a in names if a in out)
+        known = math.prod(length(a) for a in names if a in out)
         if len(unknown) > 1:
             raise ValueError(f"{where}: dim {d} of layout '{lay}' folds {unknown}, whose lengths are unknown; "
                              f"give all but one in the plan's Grid")

@@ -34,9 +34,9 @@ from torch import nn
 
 from dsp_plugin.comm import group_size
 from dsp_plugin.plan import ops
-from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Split
+from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["apply_plan", "expand"]
+__all__ = ["apply_plan", "expand", "sharded_io"]
 
 _local = threading.local()
 
@@ -46,6 +46,34 @@ class _Frame:
     owner: int
     grid: dict[str, int] = field(default_factory=dict)
     shard: str | None = None
+    sharded_io: bool = False
+
+
+class sharded_io:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Feed the parallelized models called in this block (this thread) shards, and get shards back.
+
+    ``with sharded_io(F=frames, HW=h * w): out = model(local_latents, ...)``: the
+    keyword arguments are the global lengths of the sharded axis and of the axes
+    folded with it (a full tensor, such as a positional table, is told from a
+    shard by its length). A ``Split`` whose
+    input is already this rank's shard only tags it, ``Gather`` keeps the shard,
+    ``Positions`` modules see the global shape. For sampling loops that keep the
+    latents sharded from the first step to the last.
+    """
+
+    def __init__(self, **axes: int) -> None:
+        self.axes = {k: int(v) for k, v in axes.items()}
+
+    def __enter__(self) -> sharded_io:
+        _frames().append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _frames().remove(self)
+
+
+def _sharded_io() -> sharded_io | None:
+    return next((f for f in reversed(_frames()) if isinstance(f, sharded_io)), None)
 
 
 def _frames() -> list[Any]:
@@ -67,7 +95,7 @@ def expand(model: nn.Module, plan: dict[str, Any]) -> list[tuple[str, nn.Module,
         for spec in specs:
             if isinstance(spec, Grid) and pattern != "":
                 raise ValueError(f"plan: Grid belongs to the model itself (path ''), not {pattern!r}")
-            if not isinstance(spec, (Block, Gather, Grid, Heads, Split)):
+            if not isinstance(spec, (Block, Gather, Grid, Heads, Positions, Split)):
                 raise TypeError(f"plan: {pattern!r} has {spec!r}; expected Split, Block, Heads, Gather or Grid")
         for n in hits:
             found.setdefault(n, []).extend(specs)
@@ -122,6 +150,10 @@ class _Runtime:
 
     def root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         a = _Args(module, args, kwargs)
+        io = _sharded_io()
+        if io is not None:
+            _frames().append(_Frame(id(self), dict(io.axes), sharded_io=True))
+            return
         grid = {}
         for axis, (name, dim) in self.grid.axes.items():
             value = a.get(name)
@@ -136,8 +168,8 @@ class _Runtime:
         frame = self.frame()
         if frame is not None:
             frames.remove(frame)
-        if output is None:
-            return None
+        if output is None or (frame is not None and frame.sharded_io):
+            return output
         n = group_size(self.group)
         return _map_tensors(output, lambda t: ops.scale_grad(t, 1.0 / n))
 
@@ -156,6 +188,12 @@ class _Runtime:
                     enter_heads(path, self.group)
                 elif isinstance(spec, Gather) and spec.arg != "out":
                     a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
+                elif isinstance(spec, Positions):
+                    frame = self.frame()
+                    x = a.get(spec.arg)
+                    if frame is not None and frame.sharded_io and isinstance(x, torch.Tensor):
+                        shape = [frame.grid[spec.dims[d]] if d in spec.dims else x.shape[d] for d in range(x.dim())]
+                        a.set(spec.arg, x.new_zeros(()).expand(shape))  # the global shape, no memory
             return a.out()
 
         return hook
@@ -183,6 +221,10 @@ class _Runtime:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{where}: expected a tensor to split, got {type(x).__name__}")
         frame = self.frame()
+        if frame is not None and frame.sharded_io and not _is_full(x, spec, frame.grid):  # already a shard
+            grid = ops.infer_grid(where, x, spec.layout, frame.grid, shard=spec.shard, group=self.group)
+            frame.grid, frame.shard = grid, spec.shard
+            return ops.tag(x, spec.layout, grid, spec.shard)
         grid = ops.infer_grid(where, x, spec.layout, frame.grid if frame else {})
         if frame is not None:
             frame.grid, frame.shard = grid, spec.shard
@@ -195,6 +237,8 @@ class _Runtime:
             raise ValueError(f"{where}: the input carries no shard tag and no forward of this model is in "
                              f"progress; expected a sharded activation")
         grid, shard = placed if placed is not None else (frame.grid, frame.shard)
+        if frame is not None and frame.sharded_io:  # the caller wants the shard back
+            return ops.tag(x, spec.layout, grid, shard)
         if frame is not None:
             frame.shard = None
         return ops.plan_gather(where, x, spec.layout, grid, shard, self.group)
@@ -245,6 +289,18 @@ class _Runtime:
         if frame is not None:
             frame.grid, frame.shard = grid, shard
         return (first, *output[1:]) if isinstance(output, tuple) else first
+
+
+def _is_full(x: torch.Tensor, spec: Split, grid: dict[str, int]) -> bool:
+    """Under ``sharded_io``: is ``x`` the full tensor (a positional table built for the global grid)?"""
+    dim = spec.layout.dim_of(spec.shard)
+    names = spec.layout.dims[dim]
+    if any(a not in grid for a in names):
+        return False
+    full = 1
+    for a in names:
+        full *= grid[a]
+    return x.dim() > dim and x.shape[dim] == full
 
 
 def current_block() -> tuple[dict[str, int], str, Any] | None:

@@ -11,6 +11,8 @@ ModuleList index, ``""`` is the model itself) to one spec or a list of specs:
                    output must leave with, per-row conditioning that follows the shard
 ``Heads``          full attention inside the module runs through the head switch
 ``Gather``         S -> R: an input (or the output) of the module is gathered
+``Positions``      the module computes positional tables from an input's *shape* (RoPE);
+                   when the model is fed shards (``sharded_io``) it sees the global shape
 =================  =====================================================================
 
 Layouts name the axes of a tensor, one group per tensor dim: ``"(B T) S D"`` is a
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["Block", "Gather", "Grid", "Heads", "Layout", "Split"]
+__all__ = ["Block", "Gather", "Grid", "Heads", "Layout", "Positions", "Split"]
 
 
 @dataclass(frozen=True)
@@ -150,3 +152,18 @@ class Heads:
     all-to-all), attend locally, and the output switches back (one more). The
     global ``L`` is that of the enclosing ``Block``'s activation.
     """
+
+
+@dataclass(frozen=True)
+class Positions:
+    """A module that builds positional tables from the shape of argument ``arg`` (Wan's RoPE).
+
+    Under ``sharded_io`` (the model is fed this rank's shard, e.g. frames, for a
+    sampling loop that never gathers), the argument is replaced by a stand-in of
+    the global shape that holds no memory (``dims``: tensor dim -> grid axis
+    whose global length it takes), so the tables are computed for the global
+    grid; a ``Split`` on the module's output then slices them with the shard.
+    """
+
+    arg: str | int
+    dims: dict[int, str]
