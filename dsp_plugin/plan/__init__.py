@@ -38,9 +38,7 @@ def parallelize(model: nn.Module, plan: Any = None, group: Any = None) -> nn.Mod
         plan = builtin_plan(model)
     if plan is None:
         name = type(model).__name__
-        if name == "STDiT":
-            plan = DSPPlan.for_stdit(model)
-        elif name == "TransformerSpatioTemporalModel":
+        if name == "TransformerSpatioTemporalModel":
             from dsp_plugin.adapters.spatiotemporal import SpatioTemporalDSP
 
             return SpatioTemporalDSP(model, group=group)

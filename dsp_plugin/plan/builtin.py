@@ -10,7 +10,7 @@ from typing import Any
 
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["LATTE_PLAN", "WAN_PLAN", "builtin_plan"]
+__all__ = ["LATTE_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan"]
 
 # diffusers' LatteTransformer3DModel: spatial blocks on [B*T, S, D], temporal blocks on [B*S, T, D], the model
 # reshaping between them inline with its own B. Shard the folded rows: the frames (T) for spatial blocks, the
@@ -38,7 +38,25 @@ WAN_PLAN: dict[str, Any] = {
     "proj_out": Gather("out", "B (F HW) D"),
 }
 
-_BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "WanTransformer3DModel": WAN_PLAN}
+
+
+def stdit_plan(model: Any) -> dict[str, Any]:
+    """The reference STDiT: latents split on frames before the (per-frame) embedder, blocks on
+    ``[B, T, S, D]`` (or ``[B, T, H, W, D]``) switching only before a block that attends the sharded axis,
+    to the axis whose next use is furthest (``switch_schedule``, compiled once); gather before unpatchify."""
+    from dsp_plugin.models.plan import switch_schedule
+
+    axes = ("T", "S") if model.config.axes == 2 else ("T", "H", "W")
+    lay = "B " + " ".join(axes) + " D"
+    attend = [block.attend_dim for block in model.blocks]
+    schedule, _ = switch_schedule(attend, model.sequence_dims, first_shard=1)
+    plan: dict[str, Any] = {"embedder": Split(0, "B C T Hp Wp", shard="T"), "unpatchify": Gather(0, lay)}
+    for i, (a, switch) in enumerate(zip(attend, schedule)):
+        plan[f"blocks.{i}"] = Block(lay, arg="x", attends=axes[a - 1], then=axes[switch[1] - 1] if switch else None)
+    return plan
+
+
+_BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "WanTransformer3DModel": WAN_PLAN, "STDiT": stdit_plan}
 
 
 def builtin_plan(model: Any) -> Any:
@@ -48,5 +66,6 @@ def builtin_plan(model: Any) -> Any:
         return own
     for cls in type(model).__mro__:
         if cls.__name__ in _BY_CLASS:
-            return _BY_CLASS[cls.__name__]
+            plan = _BY_CLASS[cls.__name__]
+            return plan(model) if callable(plan) else plan
     return None

@@ -39,6 +39,7 @@ from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 __all__ = ["apply_plan", "expand", "sharded_io"]
 
 _local = threading.local()
+_GRID_ATTR = "_dsp_plan_grid"
 
 
 @dataclass
@@ -225,7 +226,11 @@ class _Runtime:
             grid = ops.infer_grid(where, x, spec.layout, frame.grid, shard=spec.shard, group=self.group)
             frame.grid, frame.shard = grid, spec.shard
             return ops.tag(x, spec.layout, grid, spec.shard)
-        grid = ops.infer_grid(where, x, spec.layout, frame.grid if frame else {})
+        # a recompute under activation checkpointing runs this hook again on the same input, in backward,
+        # where no frame is open: the grid is kept on the replicated input itself
+        known = frame.grid if frame is not None else getattr(x, _GRID_ATTR, {})
+        grid = ops.infer_grid(where, x, spec.layout, known)
+        setattr(x, _GRID_ATTR, grid)
         if frame is not None:
             frame.grid, frame.shard = grid, spec.shard
         return ops.plan_split(where, x, spec.layout, grid, spec.shard, self.group)
