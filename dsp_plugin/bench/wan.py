@@ -15,6 +15,10 @@ sends q, k and v with one ``all_to_all_single`` each and the output with a
 fourth (attention_dispatch.py:2570, 2597); the bytes are the same as ours
 (every rank sends (N-1)/N of its q, k, v and output), the calls 4 per layer
 against our 2 (one packed q/k/v, one output). Both gather the output once.
+Per rank the bytes differ when the frames do not divide by N: Wan's plan shards
+whole frames of tokens (so sampling can keep the latents sharded on frames),
+diffusers' plan cuts the flat token sequence evenly; 5 frames on 4 ranks give
+rank 0 two frames (128 of 320 tokens) against diffusers' 80.
 """
 
 from __future__ import annotations
