@@ -13,17 +13,22 @@ from __future__ import annotations
 
 from dsp_plugin.comm import dynamic_switch, gather, reduce_gradients, split
 from dsp_plugin.data import dsp_dataloader
+from dsp_plugin.heads import from_heads, to_heads
+from dsp_plugin.plan import parallelize
 from dsp_plugin.topology import Topology, get_topology, set_topology
 
 __all__ = [
     "Topology",
     "dsp_dataloader",
     "dynamic_switch",
+    "from_heads",
     "gather",
     "get_topology",
+    "parallelize",
     "reduce_gradients",
     "set_topology",
     "split",
+    "to_heads",
 ]
 
 __version__ = "0.1.0"

@@ -696,3 +696,20 @@ def all_reduce_mean(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) ->
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         out.div_(dist.get_world_size(group))
     return out
+
+
+# ---------------------------------------------------------------------------
+# the head switch's exchange (dsp_plugin.heads packs, checks and unpacks; this sends)
+# ---------------------------------------------------------------------------
+
+
+def _all_to_all_flat(send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                     group: dist.ProcessGroup) -> torch.Tensor:
+    """One ``all_to_all_single`` of a flat buffer cut into per-rank blocks (sizes in elements, any may be 0).
+
+    Returns the flat receive buffer: rank ``i``'s block at offset ``sum(recv_splits[:i])``.
+    """
+    recv = send.new_empty(sum(recv_splits))
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                           group=group)
+    return recv

@@ -4,27 +4,17 @@
 
 (``launch/run_megatron.sh`` fills in the rest from environment variables.)
 
-On a GPU machine this is a plain Megatron launch: ``parse_and_validate_args``
-with the DSP ``extra_args_provider``, then ``megatron.training.pretrain()``
-with this file's dataset provider, model provider and forward step.
+A plain Megatron launch on every machine: ``parse_and_validate_args`` with the
+DSP ``extra_args_provider``, then ``megatron.training.pretrain()`` (and so its
+``train()``) with this file's dataset provider, model provider and forward step.
 
-On CPU (gloo) ``pretrain()`` itself cannot run: ``initialize_megatron`` asserts
-CUDA and, without GPUs, skips ``initialize_model_parallel``; ``pretrain`` then
-all-reduces start-up timestamps and warms up torch.compile'd fusions; its
-``train()`` loop logs CUDA memory. ``cpu_pretrain`` runs the same sequence with
-Megatron's own functions (see docs/megatron.md for the exact list):
-
-1. ``parse_and_validate_args`` (real, with the DSP provider);
-2. ``init_process_group("gloo")`` and ``initialize_model_parallel`` with DSP in the
-   CP slot: what ``_initialize_distributed`` does when it finds GPUs;
-3. ``initialize_megatron(allow_no_cuda=True)``: seeds, rerun state machine,
-   autoresume, dataset helpers (real);
-4. ``setup_model_and_optimizer`` (real: ``get_model`` with this file's model
-   provider, megatron-core DDP, Megatron's optimizer and LR scheduler);
-5. ``build_train_valid_test_data_iterators`` (real Megatron samplers and loaders);
-6. ``train_step`` (real) per iteration, with the config ``train()`` sets up.
-
-``dsp_plugin.megatron.cpu.cuda_shim`` answers the CUDA device queries these make.
+Without CUDA the same ``pretrain()`` runs on gloo (``--distributed-backend gloo``)
+under ``dsp_plugin.megatron.cpu.cuda_shim(training=True)``, which answers only
+the device queries Megatron makes (``is_available``, ``device_count``, memory
+counters, ``synchronize``, ``device="cuda"`` tensors -> CPU; see its docstring).
+No training loop of ours: every ``train()`` option (``--log-interval``,
+``--exit-interval``, ``--exit-duration-in-mins``, ``--tensorboard-dir``,
+evaluation, ``--save/--load``, ``--overlap-grad-reduce``) is Megatron's own.
 """
 
 from __future__ import annotations
@@ -33,12 +23,10 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 from collections.abc import Iterator
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
@@ -51,6 +39,7 @@ from dsp_plugin.megatron.steps import (  # noqa: E402
     add_model_arguments,
     forward_step,
     model_provider,
+    video_buckets_from_args,
     video_shape_from_args,
 )
 
@@ -63,144 +52,80 @@ def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None,
-                                       ) -> tuple[SyntheticVideoDataset, ...]:
-    """Synthetic latents (train, validation, test splits with their own seeds); every rank builds its own
-    copy (deterministic, nothing to broadcast)."""
+                                       ) -> tuple[SyntheticVideoDataset | None, ...]:
+    """Synthetic latents (train, validation, test splits with their own seeds) of the sizes Megatron asks
+    for; a split of 0 samples is None (no loader, as Megatron's own builders do), so a resume without
+    ``--eval-iters`` does not build a validation sampler behind the checkpoint's consumed samples. Every
+    rank builds its own copy (deterministic, nothing to broadcast)."""
     args = get_args()
-    video, text = video_shape_from_args(args), {"text_dim": args.text_dim or None, "text_len": args.text_len}
-    return tuple(SyntheticVideoDataset(video, max(n, 1), seed=args.seed + split, **text)
+    video, text = video_shape_from_args(args), {"text_dim": args.text_dim or None, "text_len": args.text_len,
+                                                "varying_captions": args.varying_captions,
+                                                "buckets": video_buckets_from_args(args),
+                                                "bucket_size": args.global_batch_size}
+    return tuple(SyntheticVideoDataset(video, n, seed=args.seed + split, **text) if n > 0 else None
                  for split, n in enumerate(train_val_test_num_samples))
 
 
 train_valid_test_datasets_provider.is_distributed = True
 
 
+def refuse_cuda_only_options(args: argparse.Namespace) -> None:
+    """Without CUDA: options whose Megatron code asserts CUDA tensors (every rank, before any collective)."""
+    needs_cuda = [flag for flag, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
+                                        ("--bf16", args.bf16), ("--fp16", args.fp16)) if on]
+    if needs_cuda:
+        raise ValueError(f"{', '.join(needs_cuda)}: needs CUDA, Megatron's distributed and mixed-precision optimizers "
+                         "assert torch.cuda tensor types; on CPU drop them (the model itself is tested in bf16 "
+                         "and fp16 under Float16Module by tests/test_megatron_precision.py)")
+    if args.distributed_backend != "gloo":
+        raise ValueError(f"--distributed-backend {args.distributed_backend}: there is no CUDA here; use gloo "
+                         "(launch/run_megatron.sh picks it)")
+
+
 @contextlib.contextmanager
-def exit_is_failure(what: str) -> Iterator[None]:
-    """Megatron calls ``sys.exit()`` (status 0) on some load errors; a run that did not train must fail."""
+def close_process_group_on_success() -> Iterator[None]:
+    """After ``pretrain()`` returns, or ``train()`` ``sys.exit(0)``s at ``--exit-interval`` or
+    ``--exit-duration-in-mins``, every rank is at the same point: meet once more and destroy the process
+    group, rather than leave gloo's teardown to interpreter shutdown, where a rank that exits first can
+    abort its peer. A failing rank skips this (no collective after an error)."""
+    import torch
+
+    def close() -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
     try:
         yield
     except SystemExit as exc:
         if exc.code in (None, 0):
-            raise RuntimeError(f"{what} called sys.exit() without an error status; see the message above") from exc
+            close()
         raise
-
-
-def cpu_pretrain(args: argparse.Namespace) -> list[float]:
-    """``pretrain()``'s sequence on gloo; returns the losses it logged (last stage)."""
-    from datetime import timedelta
-
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.utils import get_model_config
-    from megatron.training.argument_utils import pretrain_cfg_container_from_args
-    from megatron.training.checkpointing import save_checkpoint
-    from megatron.training.initialize import initialize_megatron
-    from megatron.training.training import (
-        build_train_valid_test_data_iterators,
-        evaluate_and_print_results,
-        setup_model_and_optimizer,
-        train_step,
-    )
-
-    from dsp_plugin.megatron.cpu import install_cuda_shim
-    from dsp_plugin.megatron.flops import num_floating_point_operations
-    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
-    from dsp_plugin.topology import set_topology
-
-    needs_cuda = [flag for flag, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
-                                        ("--bf16", args.bf16), ("--fp16", args.fp16)) if on]
-    if needs_cuda:  # checked on every rank before any collective
-        raise ValueError(f"{', '.join(needs_cuda)}: needs CUDA, Megatron's distributed and mixed-precision optimizers "
-                         "assert torch.cuda tensor types; on CPU drop them (the model itself is tested in bf16 "
-                         "and fp16 under Float16Module by tests/test_megatron_precision.py)")
-    install_cuda_shim()
-    torch.set_num_threads(int(os.getenv("OMP_NUM_THREADS", "1")))
-    torch.distributed.init_process_group("gloo", rank=args.rank, world_size=args.world_size,
-                                         timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    losses: list[float] = []
-    try:
-        # what _initialize_distributed does with GPUs (it skips model parallelism without them)
-        initialize_dsp_model_parallel(tp=args.tensor_model_parallel_size, dsp=args.context_parallel_size,
-                                      pp=args.pipeline_model_parallel_size,
-                                      timeout_minutes=args.distributed_timeout_minutes)
-        initialize_megatron(allow_no_cuda=True)
-        # what _set_random_seed does when it finds GPUs: the RNG tracker checkpoints save and load
-        tensor_parallel.model_parallel_cuda_manual_seed(args.seed)
-        with exit_is_failure("loading the checkpoint"):
-            model, optimizer, scheduler = setup_model_and_optimizer(
-                ModelType.encoder_or_decoder, model_provider, cfg_container=pretrain_cfg_container_from_args(args))
-        config = get_model_config(model[0])  # what train() sets before its loop
-        config.grad_scale_func = optimizer.scale_loss
-        config.finalize_model_grads_func = finalize_model_grads
-        train_iter, valid_iter, _ = build_train_valid_test_data_iterators(train_valid_test_datasets_provider)
-        flops_so_far = getattr(args, "num_floating_point_operations_so_far", 0)
-        first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0 \
-            and ps.get_context_parallel_rank() == 0
-        iteration = args.iteration
-        if iteration >= args.train_iters:
-            print_rank_0(f"> the checkpoint is at iteration {iteration} >= --train-iters {args.train_iters}: "
-                         "nothing to train (raise --train-iters to go on)")
-        while iteration < args.train_iters:
-            start = time.time()
-            loss_dict, *_ = train_step(forward_step, train_iter, model, optimizer, scheduler, config,
-                                       get_forward_backward_func(), iteration=iteration)
-            iteration += 1
-            args.curr_iteration = iteration
-            args.consumed_train_samples += args.global_batch_size
-            flops = num_floating_point_operations(args, args.global_batch_size)
-            flops_so_far += flops
-            elapsed = time.time() - start
-            if "loss" in loss_dict:
-                losses.append(float(loss_dict["loss"]))
-                if first:
-                    print(f" iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: "
-                          f"{args.consumed_train_samples:12d} | elapsed time per iteration (ms): "
-                          f"{1000 * elapsed:.1f} | throughput per GPU (TFLOP/s/GPU): "
-                          f"{flops / (elapsed * args.world_size * 1e12):.6f} | "
-                          f"learning rate: {scheduler.get_lr(optimizer.param_groups[0]):.6E} | "
-                          f"global batch size: {args.global_batch_size:5d} | loss: {losses[-1]:.9E} |",
-                          flush=True)
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
-                save_checkpoint(iteration, model, optimizer, scheduler, flops_so_far)
-            if args.eval_interval and args.eval_iters and iteration % args.eval_interval == 0:
-                evaluate_and_print_results(f"iteration {iteration}", forward_step, valid_iter, model, iteration,
-                                           None, config, verbose=False, write_to_tensorboard=False)
-        if args.save and iteration > args.iteration and not (args.save_interval
-                                                             and iteration % args.save_interval == 0):
-            save_checkpoint(iteration, model, optimizer, scheduler, flops_so_far)
-        if args.eval_iters and iteration > 0:  # pretrain() evaluates once more after training
-            evaluate_and_print_results(f"iteration {iteration} on validation set", forward_step, valid_iter,
-                                       model, iteration, None, config, verbose=False, write_to_tensorboard=False)
-        return losses
-    finally:
-        ps.destroy_model_parallel()
-        set_topology(None)
-        torch.distributed.destroy_process_group()
+    close()
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        from dsp_plugin.megatron.cpu import install_cuda_shim
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-        install_cuda_shim()  # validate_args asks for the device architecture
-    use_prebuilt_dataset_helpers()  # the megatron-core wheel has no Makefile for them
-    install_flops_formula()  # throughput in this model's FLOPs, not the GPT formula
-    args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
-    check_load_path(args)  # --load of nothing is refused (Megatron would start from scratch)
-    print_rank_0(f"> sequence parallel mode: {args.sequence_parallel_mode}, dsp size {args.dsp_size} "
-                 f"(Megatron context-parallel slot), tp {args.tensor_model_parallel_size}, "
-                 f"pp {args.pipeline_model_parallel_size}, dp {args.data_parallel_size}")
-    if torch.cuda.is_available():
-        from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from dsp_plugin.megatron.compat import fail_on_silent_exit_in_load
+    from dsp_plugin.megatron.cpu import cuda_is_real, cuda_shim
 
-        pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
-                 ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
-    else:
-        with exit_is_failure("training"):
-            cpu_pretrain(args)
+    with contextlib.ExitStack() as stack:
+        if not cuda_is_real():  # validate_args asks for the device architecture, pretrain() for CUDA
+            stack.enter_context(cuda_shim(training=True))
+        use_prebuilt_dataset_helpers()  # the megatron-core wheel has no Makefile for them
+        fail_on_silent_exit_in_load()  # Megatron's loader sys.exit()s with status 0 on some errors
+        install_flops_formula()  # throughput in this model's FLOPs, not the GPT formula
+        args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
+        check_load_path(args)  # --load of nothing is refused (Megatron would start from scratch)
+        if not cuda_is_real():
+            refuse_cuda_only_options(args)
+        print_rank_0(f"> sequence parallel mode: {args.sequence_parallel_mode}, dsp size {args.dsp_size} "
+                     f"(Megatron context-parallel slot), tp {args.tensor_model_parallel_size}, "
+                     f"pp {args.pipeline_model_parallel_size}, dp {args.data_parallel_size}")
+        with close_process_group_on_success():
+            pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
+                     ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
 
 
 if __name__ == "__main__":

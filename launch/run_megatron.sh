@@ -8,7 +8,8 @@
 #   IMPL=transformer_engine FP8=hybrid ./launch/run_megatron.sh  # GPU: TE layers, FP8 autocast
 #   EVAL_ITERS=2 EVAL_INTERVAL=2 ./launch/run_megatron.sh        # validation loss every 2 iterations
 #   ./launch/run_megatron.sh --save /tmp/ckpt --save-interval 2   # Megatron checkpoints (torch_dist);
-#   ITERS=6 ./launch/run_megatron.sh --load /tmp/ckpt             # resume (same or another DSP size)
+#   ITERS=6 ./launch/run_megatron.sh --load /tmp/ckpt             # resume (same or another DSP size, more iters)
+#   MASTER_PORT=29600 ./launch/run_megatron.sh                    # rendezvous port (default: a free one)
 #
 # Extra Megatron arguments pass through: ./launch/run_megatron.sh --log-interval 1
 # On a machine without CUDA the same command runs on gloo (see launch/pretrain_stdit.py).
@@ -19,7 +20,7 @@ NPROC=${NPROC:-4}            # processes on this node
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}      # this node (0 .. NNODES-1)
 MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
-MASTER_PORT=${MASTER_PORT:-29531}
+MASTER_PORT=${MASTER_PORT:-}     # rendezvous port; default: a free one (multi-node: required, same everywhere)
 MODE=${MODE:-dsp}            # --sequence-parallel-mode: dsp | none
 TP=${TP:-1}                  # tensor parallel
 DSP=${DSP:-$(( NPROC * NNODES / TP / ${PP:-1} ))}  # DSP size (default: all ranks TP and PP leave)
@@ -38,11 +39,17 @@ TEXT_DIM=${TEXT_DIM:-16}      # text embedding width for cross-attention (0: non
 TEXT_LEN=${TEXT_LEN:-4}
 EVAL_ITERS=${EVAL_ITERS:-0}   # validation batches per evaluation (Megatron's --eval-iters)
 EVAL_INTERVAL=${EVAL_INTERVAL:-1000000}
+LR_SCHEDULE=${LR_SCHEDULE:-command-line}  # on --load: command-line (this line's ITERS and LR win) | checkpoint
 IMPL=${IMPL:-local}          # --transformer-impl: local | transformer_engine
 FP8=${FP8:-}                 # --fp8-format (e4m3 | hybrid), GPU + TE only
 SEED=${SEED:-1234}
 PYTHON=${PYTHON:-.venv/bin/python}
 SCRIPT=${SCRIPT:-launch/pretrain_stdit.py}  # the training script (same arguments)
+
+if [[ -z "$MASTER_PORT" ]]; then  # a free port, so that two launches on one machine do not clash
+    if (( NNODES > 1 )); then echo "run_megatron.sh: set MASTER_PORT (the same on every node)" >&2; exit 2; fi
+    MASTER_PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+fi
 
 if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     BACKEND=nccl; DTYPE_ARGS=(--bf16)
@@ -70,6 +77,11 @@ ARGS=(
     "${DTYPE_ARGS[@]}"
 )
 if [[ "$MODE" == dsp ]]; then ARGS+=(--dsp-size "$DSP"); fi
+case "$LR_SCHEDULE" in  # Megatron asserts that a loaded scheduler matches unless told which one wins
+    command-line) ARGS+=(--override-opt_param-scheduler) ;;
+    checkpoint) ARGS+=(--use-checkpoint-opt_param-scheduler) ;;
+    *) echo "run_megatron.sh: LR_SCHEDULE=$LR_SCHEDULE; expected command-line or checkpoint" >&2; exit 2 ;;
+esac
 if [[ -n "$FP8" ]]; then ARGS+=(--fp8-format "$FP8"); fi
 
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \

@@ -12,7 +12,7 @@ from typing import Any
 from dsp_plugin.spawn import SpawnError as WorkerError
 from dsp_plugin.spawn import spawn
 
-__all__ = ["COLLECTIVE_TIMEOUT_S", "WorkerError", "run_distributed"]
+__all__ = ["COLLECTIVE_TIMEOUT_S", "WorkerError", "assert_no_steady_state_checks", "run_distributed"]
 
 COLLECTIVE_TIMEOUT_S = 60
 
@@ -35,3 +35,17 @@ def _in_world_topology(rank: int, world_size: int, fn: Callable[..., Any], *args
 
     set_topology(Topology.world())
     return fn(rank, world_size, *args)
+
+
+def assert_no_steady_state_checks(check_records: list[Any], mode: str, what: str) -> None:
+    """After the first step nothing is new: ``CommAccounting.check_records`` of a later step must be empty.
+
+    A fingerprint exchange (``dsp_plugin.checks``) in the steady state is an all-gather and a host sync per
+    primitive call: either a primitive lacked a length that a tag (``dsp_plugin.layout``) should have carried,
+    so it asked the group, or the check mode is not the default ``first``.
+    """
+    assert mode == "first", f"{what}: the check mode is {mode!r}; with DSP_CHECK unset it must be 'first'"
+    assert not check_records, (
+        f"{what}: {len(check_records)} fingerprint exchange(s) in a steady-state step ({check_records}); "
+        f"in check mode 'first' a repeated call exchanges nothing unless it lacks a global length: "
+        f"a length tag was lost between blocks, so the primitives asked the group for the length")

@@ -29,27 +29,52 @@ GLOBAL_BATCH = 2
 SEED = 1234
 LR = 0.1
 
+#: Full recompute: False (none), True (``uniform``, 1 layer per chunk) or ``(recompute_method, recompute_num_layers)``.
+Recompute = bool | tuple[str, int]
 #: name -> (tp, dsp, pp, micro_batch_size, num_microbatches, recompute), on 4 ranks
-COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {
+COMPOSITIONS: dict[str, tuple[int, int, int, int, int, Recompute]] = {
     "DSP=4": (1, 4, 1, 2, 1, False),
     "DSP=2 x DP=2": (1, 2, 1, 1, 1, False),
     "TP=2 x DSP=2": (2, 2, 1, 2, 1, False),
     "PP=2 x DSP=2": (1, 2, 2, 1, 2, False),
     "PP=2 x DSP=2 + full recompute": (1, 2, 2, 1, 2, True),
 }
-#: on 2 ranks: DSP alone, without and with full recompute (uniform, 1 layer per chunk)
-TWO_RANK_COMPOSITIONS: dict[str, tuple[int, int, int, int, int, bool]] = {
+#: OpenSora 1.2's features (the "paper" variant): RoPE (temporal and 2-D spatial), qk-layernorm,
+#: adaLN-single, captions of varying length; "paper+buckets" also changes (frames, height, width) every
+#: step: T = 6, 4, 5 and S = 6, 6, 4 split unevenly over 4 DSP ranks
+VARIANTS = ("plain", "paper", "paper+buckets")
+BUCKETS = ((6, 2, 3), (4, 3, 2), (5, 2, 2))
+#: the paper variant's layouts: 2 ranks, then 4 ranks
+PAPER_TWO_RANK = {"DSP=2": (1, 2, 1, 2, 1, False), "DSP=2 + full recompute": (1, 2, 1, 2, 1, True)}
+PAPER_FOUR_RANK = {
+    "DSP=4": (1, 4, 1, 2, 1, False),
+    "TP=2 x DSP=2": (2, 2, 1, 2, 1, False),
+    "PP=2 x DSP=2": (1, 2, 2, 1, 2, False),
+    "PP=2 x DSP=2 + full recompute": (1, 2, 2, 1, 2, True),
+}
+#: on 2 ranks: DSP alone, without and with full recompute: uniform with 1 and 2 layers per chunk, and block
+#: (the first 2 layers checkpointed one by one); the 4 layers' switches: layers 2, 3, 4 (1-based)
+TWO_RANK_COMPOSITIONS: dict[str, tuple[int, int, int, int, int, Recompute]] = {
     "DSP=2": (1, 2, 1, 2, 1, False),
     "DSP=2 + full recompute": (1, 2, 1, 2, 1, True),
+    "DSP=2 + full recompute uniform 2": (1, 2, 1, 2, 1, ("uniform", 2)),
+    "DSP=2 + full recompute block 2": (1, 2, 1, 2, 1, ("block", 2)),
 }
 
 
-def tiny_config(tp: int, pp: int, *, recompute: bool = False, dtype: str = "fp32") -> Any:
+def tiny_config(tp: int, pp: int, *, recompute: Recompute = False, dtype: str = "fp32",
+                variant: str = "plain") -> Any:
     from dsp_plugin.megatron.steps import dsp_config, gelu_tanh
 
-    recompute_args = dict(recompute_granularity="full", recompute_method="uniform",
-                          recompute_num_layers=1) if recompute else {}
+    method, layers = recompute if isinstance(recompute, tuple) else ("uniform", 1)
+    recompute_args = dict(recompute_granularity="full", recompute_method=method,
+                          recompute_num_layers=layers) if recompute else {}
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
+    if variant not in VARIANTS:
+        raise ValueError(f"variant {variant!r} is not one of {VARIANTS}")
+    if variant != "plain":  # --position-embedding-type rope --spatial-rope --qk-layernorm --adaln-single
+        recompute_args |= dict(position_embedding_type="rope", dsp_spatial_rope=True, qk_layernorm=True,
+                               dsp_adaln_single=True)
     return dsp_config(
         VIDEO, num_layers=4, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=1,
@@ -61,39 +86,44 @@ def tiny_config(tp: int, pp: int, *, recompute: bool = False, dtype: str = "fp32
         deallocate_pipeline_outputs=True, **recompute_args)
 
 
-def dataset(steps: int) -> Any:
+def dataset(steps: int, variant: str = "plain") -> Any:
     from dsp_plugin.megatron.steps import SyntheticVideoDataset
 
-    return SyntheticVideoDataset(VIDEO, GLOBAL_BATCH * steps, seed=SEED, text_dim=TEXT_DIM, text_len=TEXT_LEN)
+    return SyntheticVideoDataset(VIDEO, GLOBAL_BATCH * steps, seed=SEED, text_dim=TEXT_DIM, text_len=TEXT_LEN,
+                                 varying_captions=variant != "plain",
+                                 buckets=BUCKETS if variant == "paper+buckets" else (), bucket_size=GLOBAL_BATCH)
 
 
-def reference_run(steps: int) -> dict[str, Any]:
-    """The plain-torch oracle: losses and Megatron-named full gradients per step."""
+def reference_run(steps: int, variant: str = "plain") -> dict[str, Any]:
+    """The plain-torch oracle: losses, Megatron-named full gradients and outputs ``[B, T, S, C]`` per step."""
     from dsp_plugin.megatron.steps import reference_weights
     from dsp_plugin.megatron.weights import megatron_names, reference_config
     from dsp_plugin.models.stdit import STDiT
 
-    config = tiny_config(1, 1)
+    config = tiny_config(1, 1, variant=variant)
     model = STDiT(reference_config(config, VIDEO.channels, TEXT_DIM))
     model.load_state_dict(reference_weights(config, VIDEO, TEXT_DIM, SEED))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    data = dataset(steps)
-    losses, grads = [], []
+    data = dataset(steps, variant)
+    losses, grads, outputs = [], [], []
     for step in range(steps):
         batch = torch.utils.data.default_collate([data[step * GLOBAL_BATCH + i] for i in range(GLOBAL_BATCH)])
         optimizer.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(batch["latents"], batch["timestep"], batch["text"]),
-                                            batch["target"])
+        output = model(batch["latents"], batch["timestep"], batch["text"], batch.get("text_mask"))
+        loss = torch.nn.functional.mse_loss(output, batch["target"])
         loss.backward()
         losses.append(loss.item())
         grads.append(megatron_names({n: p.grad.clone() for n, p in model.named_parameters()},
                                     config.num_attention_heads))
+        batch_size, channels, frames, height, width = output.shape
+        outputs.append(output.detach().permute(0, 2, 3, 4, 1).reshape(batch_size, frames, height * width, channels))
         optimizer.step()
-    return {"losses": losses, "grads": grads}
+    return {"losses": losses, "grads": grads, "outputs": outputs}
 
 
-def parse_error(argv: list[str], world_size: int) -> str:
-    """Megatron's argument parsing with the DSP provider on this rank; the error it raises, or ''."""
+def parse_error(argv: list[str], world_size: int, *, launch: bool = False) -> str:
+    """Megatron's argument parsing with the DSP provider (``launch``: and the launch's model options,
+    as ``launch/pretrain_stdit.py``) on this rank; the error it raises, or ''."""
     import os
     import sys
 
@@ -104,7 +134,12 @@ def parse_error(argv: list[str], world_size: int) -> str:
     saved_argv, saved_world = sys.argv, os.environ.get("WORLD_SIZE")
     sys.argv, os.environ["WORLD_SIZE"] = ["pretrain_stdit.py", *argv], str(world_size)
     try:
-        parse_args(extra_args_provider=add_dsp_arguments)
+        if launch:
+            from dsp_plugin.megatron.steps import add_model_arguments
+
+            parse_args(extra_args_provider=lambda parser: add_model_arguments(add_dsp_arguments(parser)))
+        else:
+            parse_args(extra_args_provider=add_dsp_arguments)
     except ValueError as exc:
         return str(exc)
     finally:
@@ -116,10 +151,36 @@ def parse_error(argv: list[str], world_size: int) -> str:
     return ""
 
 
-def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, int, int, bool]],
-                steps: int, bad_argv: list[str] | None = None) -> list[dict[str, Any]]:
-    """For each layout: ``{"losses": [(value, count) | None], "grads": [{global_name: (tp_rank, dim, grad)}]}``
-    plus the collectives of step 0 on this rank.
+def _record_outputs(model: Any, sink: list) -> Any:
+    """Forward hook on the last stage: each micro-batch's local output (gathered over DSP later, outside
+    the step's collective accounting), with its DP rank."""
+    from megatron.core import parallel_state as ps
+
+    from dsp_plugin.megatron.config import output_shard_dim
+
+    def hook(module: Any, args: tuple, output: torch.Tensor) -> None:
+        if module.post_process and module.training:
+            frames, height, width = args[0].shape[2:]
+            shard = output_shard_dim(module.config, module.config.num_layers)
+            sink.append((ps.get_data_parallel_rank(), output.detach().clone(), shard,
+                         frames if shard == 1 else height * width))
+
+    return model.register_forward_hook(hook)
+
+
+def _gathered(sink: list) -> list:
+    from megatron.core import parallel_state as ps
+
+    from dsp_plugin.comm import gather
+
+    return [(dp_rank, gather(out, shard, group=ps.get_context_parallel_group(), global_len=full).numpy().copy())
+            for dp_rank, out, shard, full in sink]
+
+
+def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, int, int, Recompute]],
+                steps: int, bad_argv: list[str] | None = None, variant: str = "plain") -> list[dict[str, Any]]:
+    """For each layout: ``{"losses": [(value, count) | None], "grads": [{global_name: (tp_rank, dim, grad)}],
+    "outputs": [[(dp_rank, full output of one micro-batch)]]}`` plus the collectives of step 0 on this rank.
 
     With ``bad_argv`` every rank first parses those arguments; the error is stored
     under ``"bad_args_error"`` of each layout's result (no rank may wait on another).
@@ -139,25 +200,28 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, i
     for tp, dsp, pp, mbs, num_mb, recompute in layouts:
         initialize_dsp_model_parallel(tp=tp, dsp=dsp, pp=pp, timeout_minutes=2)
         try:
-            config = tiny_config(tp, pp, recompute=recompute)
+            config = tiny_config(tp, pp, recompute=recompute, variant=variant)
             model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN,
                                 pre_process=ps.is_pipeline_first_stage(),
                                 post_process=ps.is_pipeline_last_stage(), seed=SEED)
             ddp = wrap_ddp(model, config)
             optimizer = torch.optim.SGD(ddp.module.parameters(), lr=LR)
-            data = dataset(steps)
+            data = dataset(steps, variant)
             sampler = MegatronPretrainingSampler(
                 total_samples=len(data), consumed_samples=0, micro_batch_size=mbs,
                 data_parallel_rank=ps.get_data_parallel_rank(),
                 data_parallel_size=ps.get_data_parallel_world_size())
             batches = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler))
-            losses, grads = [], []
+            losses, grads, outputs = [], [], []
+            hook = _record_outputs(model, sink := [])
             tp_rank = ps.get_tensor_model_parallel_rank()
             collectives = None
             for step in range(steps):
                 with CommAccounting(activations=False) as acct:
                     losses.append(train_step([ddp], batches, optimizer, num_microbatches=num_mb,
                                              micro_batch_size=mbs, seq_length=VIDEO.tokens))
+                outputs.append(_gathered(sink))
+                sink.clear()
                 if step == 0:  # every collective of one step on this rank: (op, group size, phase)
                     collectives = [(r.op, r.group_size, r.phase) for r in acct.records]
                 grads.append({
@@ -165,8 +229,10 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, i
                         tp_rank, getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False)
                         else None, p.main_grad.detach().numpy().copy())  # numpy: pickled by value
                     for name, p in model.named_parameters()})
-            out.append({"losses": losses, "grads": grads, "tp_rank": tp_rank, "collectives": collectives,
-                        "stage_layers": len(model.decoder.layers), "first_stage": model.pre_process,
+            hook.remove()
+            out.append({"losses": losses, "grads": grads, "outputs": outputs, "tp_rank": tp_rank,
+                        "collectives": collectives, "stage_layers": len(model.decoder.layers),
+                        "first_stage": model.pre_process,
                         "bad_args_error": bad_args_error})
         finally:
             ps.destroy_model_parallel()
@@ -221,6 +287,41 @@ def max_differences(reference: dict[str, Any], per_rank: list[dict[str, Any]]) -
         for name in ref:
             grad_diff = max(grad_diff, (got[name] - ref[name]).abs().max().item())
     return loss_diff, grad_diff
+
+
+def max_relative_differences(reference: dict[str, Any], per_rank: list[dict[str, Any]], micro_batch_size: int,
+                             ) -> dict[str, float]:
+    """Max relative differences to the oracle over all steps: ``|loss - ref| / |ref|``; per parameter
+    ``max |grad - ref| / max |ref|``; per step ``max |output - ref| / max |ref|`` of the global batch
+    (assembled from each DP rank's micro-batches: Megatron's sampler gives DP rank r samples
+    ``[m * mbs * dp + r * mbs, ...)`` for micro-batch m)."""
+    losses = max(abs(a - b) / abs(b) for a, b in zip(global_losses(per_rank), reference["losses"], strict=True))
+    grads = 0.0
+    for step, ref in enumerate(reference["grads"]):
+        got = assemble(per_rank, step)
+        if set(ref) != set(got):
+            raise AssertionError(f"parameter sets differ: {sorted(set(ref) ^ set(got))}")
+        grads = max(grads, max(((got[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in ref))
+    outputs = 0.0
+    for step, ref in enumerate(reference["outputs"]):
+        per_dp: dict[int, list[torch.Tensor]] = {}  # one replica per DP rank (DSP/TP replicas must agree)
+        for result in per_rank:
+            micro = result["outputs"][step]
+            if not micro:
+                continue  # not a last pipeline stage
+            tensors = [torch.from_numpy(out) for _, out in micro]
+            first = per_dp.setdefault(micro[0][0], tensors)
+            for a, b in zip(first, tensors, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        got = torch.full_like(ref, float("nan"))
+        for dp_rank, micro in per_dp.items():
+            for m, out in enumerate(micro):
+                start = (m * len(per_dp) + dp_rank) * micro_batch_size
+                got[start:start + micro_batch_size] = out
+        if got.isnan().any():
+            raise AssertionError(f"step {step}: the layout's outputs do not cover the global batch")
+        outputs = max(outputs, ((got - ref).abs().max() / ref.abs().max()).item())
+    return {"losses": losses, "grads": grads, "outputs": outputs}
 
 
 def run_precision(rank: int, world_size: int, cases: list[tuple[int, str]]) -> list[dict[str, Any]]:

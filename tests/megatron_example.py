@@ -52,7 +52,7 @@ def run_example(rank: int, world_size: int, dsp_sizes: list[int]) -> list[dict[s
                 scope["block"](hidden_states=scope["split_video_tokens"](scope["video"], scope["config"]),
                                attention_mask=scope["timestep_embedding"], context=scope["text"],
                                rotary_pos_emb=torch.zeros(6, 1, 1, 8))
-            except ValueError as exc:
+            except ValueError as exc:  # a rotary table, but the config does not say RoPE
                 rope_error = str(exc)
             out.append({"out": scope["out"].detach().numpy().copy(),
                         "video_grad": scope["video"].grad.numpy().copy(), "rope_error": rope_error,

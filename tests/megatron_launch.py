@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,18 +14,25 @@ VALIDATION = re.compile(r"validation loss at iteration (\d+)( on validation set)
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(*extra: str, iters: int = 3, **knobs: str) -> tuple[dict[int, float], str]:
     """``{iteration: loss}`` logged by the launch, and its stdout; fails on a non-zero exit."""
-    env = dict(os.environ, PYTHON=sys.executable, MASTER_PORT=str(_free_port()), ITERS=str(iters),
-               OMP_NUM_THREADS="1", **knobs)
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # the launch picks a free port itself
+    env |= dict(PYTHON=sys.executable, ITERS=str(iters), OMP_NUM_THREADS="1", **knobs)
     proc = subprocess.run(["bash", str(ROOT / "launch" / "run_megatron.sh"), *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"launch {knobs} {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "sequence parallel mode: " + knobs.get("MODE", "dsp") in proc.stdout
     return {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(proc.stdout)}, proc.stdout
+
+
+def tensorboard_losses(board: Path) -> dict[int, float] | None:
+    """``{iteration: loss}`` of the ``loss`` scalars a launch with ``--tensorboard-dir board`` wrote (each
+    iteration's own loss at float32 precision; the log line prints 7 digits of an interval average), or None
+    when tensorboard is not installed."""
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        return None
+    accumulator = EventAccumulator(str(board))
+    accumulator.Reload()
+    return {event.step: event.value for event in accumulator.Scalars("loss")}

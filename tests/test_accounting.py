@@ -7,6 +7,7 @@ table in ``dsp_plugin.accounting`` (ring all-reduce moves ``2 * bytes * (N - 1) 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -15,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dsp_plugin import Topology, dynamic_switch, set_topology
 from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.collective_bytes import OPS
 from tests.distributed import run_distributed
 
 
@@ -36,6 +38,9 @@ def _ddp_and_groups(rank: int, n: int) -> dict[str, object]:
                                         dist.P2POp(dist.irecv, torch.empty(3), peer)])
         for work in works:
             work.wait()
+        world_gathered, world_part = torch.empty(4 * 6), torch.empty(6)   # N = 4: (N - 1) is no longer 1
+        dist.all_gather_into_tensor(world_gathered, torch.ones(6))
+        dist.reduce_scatter_tensor(world_part, torch.ones(4 * 6))
     with CommAccounting(activations=False) as checked:   # a new signature: the ranks agree on it first
         dynamic_switch(torch.randn(2, 3, 6, 4), 1, 2, global_len=6)
     set_topology(None)
@@ -67,13 +72,39 @@ def test_ddp_functional_and_p2p_collectives_are_counted_with_their_group_ranks()
         # point-to-point (P2POp without a group: the world): 12 bytes out, 12 in
         world = (0, 1, 2, 3)
         assert ("send", "forward", world, 12, 0) in records and ("recv", "forward", world, 0, 12) in records
-        assert len(records) == len(ddp) + 4
+        # all_gather sends its 24 bytes to each of the 3 others; reduce_scatter keeps a quarter of its 96 bytes
+        assert ("all_gather", "forward", world, 24 * 3, 24 * 3) in records, \
+            f"all_gather bytes at N=4 are not input * (N - 1) = 72: {[r for r in records if r[0] == 'all_gather']}"
+        assert ("reduce_scatter", "forward", world, 96 - 24, 96 - 24) in records, \
+            f"reduce_scatter bytes at N=4 are not input - output = 72: " \
+            f"{[r for r in records if r[0] == 'reduce_scatter']}"
+        assert len(records) == len(ddp) + 6
         assert res["dp_selected"] == len(ddp)
         assert res["by_group"][dp]["bytes_sent"] == 60
         assert res["by_group"][dsp]["count"] == 2
         assert res["inner"] == ["all_to_all"]
         # dsp_plugin.checks' fingerprint exchange is kept apart from the model's traffic
         assert res["checked"] == [("all_gather", "check"), ("all_to_all", "forward")]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_gather_and_scatter_bytes_follow_the_group_size(n: int) -> None:
+    """Every all_gather / reduce_scatter operator form, counted from its arguments (no processes): an
+    all_gather sends its input to each of the N - 1 others, a reduce_scatter moves all but its 1/N."""
+    inp, out = torch.zeros(3, 2), torch.zeros(3 * n, 2)          # 24 bytes in, 24 * N out
+    expected = (24 * (n - 1), 24 * (n - 1))
+    forms = {
+        "c10d._allgather_base_": {"input_tensor": inp, "output_tensor": out},
+        "c10d.allgather_": {"input_tensors": [inp], "output_tensors": [[inp] * n]},
+        "_c10d_functional.all_gather_into_tensor": {"input": inp},
+        "c10d._reduce_scatter_base_": {"input_tensor": out, "output_tensor": inp},
+        "c10d.reduce_scatter_": {"input_tensors": [[inp] * n], "output_tensors": [inp]},
+        "_c10d_functional.reduce_scatter_tensor": {"input": out},
+    }
+    for key, args in forms.items():
+        op, count = OPS[key]
+        assert count(args, n, 1) == expected, \
+            f"{key} ({op}) at N={n}: bytes (sent, received) = {count(args, n, 1)}, expected {expected}"
 
 
 def test_nothing_in_torch_is_patched() -> None:

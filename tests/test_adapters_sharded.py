@@ -13,8 +13,9 @@ import torch
 from dsp_plugin import reduce_gradients
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters import Sharded
+from dsp_plugin.checks import check_mode
 from dsp_plugin.models.plan import switch_schedule
-from tests.distributed import run_distributed
+from tests.distributed import assert_no_steady_state_checks, run_distributed
 
 SHAPE, D = (2, 5, 6, 7), 8          # B, T, H, W (uneven on 2 and 4 ranks), channels
 ORDER = [1, 2, 3, 1, 2, 3]         # the axis each block attends
@@ -65,8 +66,11 @@ def _compare(rank: int, n: int, belady: bool = False) -> dict[str, float]:
         out.square().mean().backward()
     reduce_gradients(blocks.parameters())
     grads = max((a.grad - b.grad).abs().max().item() for a, b in zip(blocks.parameters(), ref_blocks.parameters()))
+    with CommAccounting(activations=False) as steady:      # the same step again: nothing is new
+        _adapted(blocks, x.clone().requires_grad_(True), belady=belady).square().mean().backward()
     return {"out": (out - expected).abs().max().item(), "dx": (xa.grad - xr.grad).abs().max().item(),
-            "grads": grads, "switches": acct.count("all_to_all", "forward")}
+            "grads": grads, "switches": acct.count("all_to_all", "forward"),
+            "steady_checks": [(r.op, r.group_ranks) for r in steady.check_records], "check_mode": check_mode()}
 
 
 def test_single_process() -> None:
@@ -81,6 +85,7 @@ def test_three_axes_uneven(n: int) -> None:
             assert max(d["out"], d["dx"], d["grads"]) < 1e-5, (rank, d)
             # default target: the next axis, so every block switches; furthest-next-use: every other block
             assert d["switches"] == switches, (belady, d)
+            assert_no_steady_state_checks(d["steady_checks"], d["check_mode"], f"Sharded, rank {rank}/{n}")
 
 
 def test_fold_on_the_sharded_dim_is_an_error() -> None:

@@ -18,7 +18,8 @@ from dsp_plugin import reduce_gradients  # noqa: E402
 from dsp_plugin.accounting import CommAccounting  # noqa: E402
 from dsp_plugin.adapters.spatiotemporal import SpatioTemporalDSP  # noqa: E402
 from dsp_plugin.adapters.tiny import tiny_spatiotemporal  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from dsp_plugin.checks import check_mode  # noqa: E402
+from tests.distributed import assert_no_steady_state_checks, run_distributed  # noqa: E402
 
 B, F, C, H, W, LAYERS = 2, 7, 32, 4, 4, 2
 
@@ -44,12 +45,15 @@ def _compare(model: torch.nn.Module, reference: tuple) -> dict[str, float]:
     with CommAccounting(activations=False) as acct:
         out, dx, grads = _run(model)
     reduce_gradients(model.parameters())
-    grads = {k.removeprefix("model."): p.grad for k, p in model.named_parameters() if p.grad is not None}
+    grads = {k.removeprefix("model."): p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    with CommAccounting(activations=False) as steady:      # the same step again: nothing is new
+        _run(model)
     out_ref, dx_ref, g_ref = reference
     assert grads.keys() == g_ref.keys(), sorted(grads.keys() ^ g_ref.keys())
     return {"out": (out - out_ref).abs().max().item(), "dx": (dx - dx_ref).abs().max().item(),
             "grads": max((grads[k] - g_ref[k]).abs().max().item() for k in g_ref),
-            "all_to_all": acct.count("all_to_all", "forward")}
+            "all_to_all": acct.count("all_to_all", "forward"),
+            "steady_checks": [(r.op, r.group_ranks) for r in steady.check_records], "check_mode": check_mode()}
 
 
 def _parallel(rank: int, n: int) -> dict[str, float]:
@@ -69,6 +73,7 @@ def test_parallel_equals_unmodified_model(n: int) -> None:
         print(f"n={n} rank {rank}: {d}")
         assert max(d["out"], d["dx"], d["grads"]) < 1e-5, (rank, d)
         assert d["all_to_all"] == 2 * LAYERS, d
+        assert_no_steady_state_checks(d["steady_checks"], d["check_mode"], f"SpatioTemporalDSP, rank {rank}/{n}")
 
 
 def test_rejects_other_modules() -> None:

@@ -133,5 +133,17 @@ def test_bad_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         check_mode()
 
 
+def test_default_mode_is_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset (or empty) DSP_CHECK means ``first``: one fingerprint exchange per new signature, none in the
+    steady state. ``always`` would add an all-gather and a host sync to every primitive call."""
+    from dsp_plugin.checks import check_mode
+
+    set_check_mode(None)                             # no override: the environment decides
+    monkeypatch.delenv("DSP_CHECK", raising=False)
+    assert check_mode() == "first", f"with DSP_CHECK unset the default check mode is {check_mode()!r}, not 'first'"
+    monkeypatch.setenv("DSP_CHECK", "")
+    assert check_mode() == "first", f"with DSP_CHECK='' the check mode is {check_mode()!r}, not 'first'"
+
+
 def test_mismatch_is_a_value_error() -> None:
     assert issubclass(CrossRankMismatch, ValueError)

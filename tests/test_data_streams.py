@@ -70,11 +70,23 @@ def test_worker_seeds_follow_seed_epoch_and_dp_rank() -> None:
 
 
 def test_the_process_rng_is_left_where_it_was() -> None:
-    torch.manual_seed(3)
-    expected = torch.rand(4)
-    torch.manual_seed(3)
+    """Loading seeds torch's, numpy's and ``random``'s global generators per batch and restores all three."""
+    def seed_all() -> None:
+        torch.manual_seed(3)
+        np.random.seed(3)
+        random.seed(3)
+
+    def draws() -> dict[str, list[float]]:
+        return {"torch": torch.rand(4).tolist(), "numpy": np.random.rand(4).tolist(),
+                "random": [random.random() for _ in range(4)]}
+
+    seed_all()
+    expected = draws()
+    seed_all()
     list(dsp_dataloader(Draws(), batch_size=3, dp_size=1, dp_rank=0))
-    assert torch.equal(torch.rand(4), expected)
+    got = draws()
+    for name in expected:
+        assert got[name] == expected[name], f"loading a batch did not restore the process's {name} RNG state"
 
 
 @pytest.mark.parametrize("workers", [0, 1])

@@ -204,6 +204,35 @@ def test_gradients_match_plain_pytorch(world_size: int) -> None:
     _check(measure(world_size, jobs_for(world_size)), world_size)
 
 
+def test_a_second_gradient_scale_replaces_the_first_and_scale_one_removes_it() -> None:
+    """A second ``initialize`` on the same module installs the ZeRO-3 scale again: it must replace the
+    hooks, not stack them (gradients DSP^2 times too large); scale 1 leaves no hook at all."""
+    import torch
+
+    from dsp_plugin.deepspeed.gradients import install_gradient_scale
+
+    torch.manual_seed(0)
+    layer, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+
+    def grads() -> list[torch.Tensor]:
+        layer.zero_grad(set_to_none=True)
+        layer(x).square().sum().backward()
+        return [p.grad.clone() for p in layer.parameters()]
+
+    plain = grads()
+    install_gradient_scale(layer, 2.0)
+    install_gradient_scale(layer, 2.0)              # a second initialize on the same module
+    for got, want in zip(grads(), plain, strict=True):
+        ratio = (got.abs().sum() / want.abs().sum()).item()
+        assert torch.allclose(got, 2 * want), \
+            f"two install_gradient_scale(2) calls scale gradients by {ratio:g}, expected 2: the hooks stacked"
+    assert install_gradient_scale(layer, 1.0) == []
+    for got, want in zip(grads(), plain, strict=True):
+        ratio = (got.abs().sum() / want.abs().sum()).item()
+        assert torch.equal(got, want), f"after install_gradient_scale(1) gradients are scaled by {ratio:g}, " \
+            "expected 1: scale 1 must remove the hooks"
+
+
 if __name__ == "__main__":
     print("| ranks | precision | ZeRO | job | grad max abs | grad max rel | grad ratio | param max abs "
           "| param rel to update | loss rel |")

@@ -64,7 +64,12 @@ def guard_worker(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.mark.slow
 def test_refusals_and_guard_on_every_rank() -> None:
     results = run_distributed(guard_worker, 2, timeout=300)
-    print("\n".join(results[0][key] for key in ("pipeline", "unsharded", "inputs")))
+    for key, what in (("pipeline", "initialize did not refuse the pipeline model"),
+                      ("unsharded", "the guard did not fire on a model that never shards"),
+                      ("inputs", "the guard did not fire on inputs that differ inside the DSP group")):
+        missing = [rank for rank, out in enumerate(results) if key not in out]
+        assert not missing, f"{what} (no error on rank(s) {missing})"
+        print(results[0][key])
     for rank, out in enumerate(results):
         assert "does not support DeepSpeed's pipeline engine" in out.get("pipeline", ""), (rank, out)
         assert out["topology_after_refusal"] is None, f"rank {rank}: groups were built before the refusal"
@@ -74,3 +79,28 @@ def test_refusals_and_guard_on_every_rank() -> None:
         assert "dsp_plugin.models.parallelize(model)" in out["unsharded"]
         assert "inputs differ inside DSP group(s) [[0, 1]]" in out.get("inputs", ""), (rank, out)
     assert results[0]["unsharded"] == results[1]["unsharded"]
+
+
+def test_the_guard_judges_every_dsp_group() -> None:
+    """DSP=2 x DP=2 (groups [0, 1] and [2, 3]), without processes: the verdict every rank computes from the
+    all-gathered rows (sharded calls, input fingerprint) names the group whose inputs differ, whichever it is."""
+    import torch
+
+    from dsp_plugin.checks import GUARD_MAGIC
+    from dsp_plugin.deepspeed.guard import _verdict, input_fingerprint
+    from dsp_plugin.topology import Topology, rank_layout
+
+    topology = Topology(tp=1, dsp=2, dp=2, pp=1, rank=0, world_size=4, layout=rank_layout(4, dsp=2))
+    assert topology.layout["dsp"] == [[0, 1], [2, 3]]
+    samples = [torch.arange(6.0), torch.arange(6.0), torch.ones(6), torch.ones(6)]  # one sample per DSP group
+
+    def rows(inputs: list[torch.Tensor]) -> list[list[int]]:  # [magic, sharded calls, input fingerprint]
+        return [[GUARD_MAGIC, 1, input_fingerprint((x,), {})] for x in inputs]
+
+    assert _verdict(rows(samples), topology) is None
+    for group in ([0, 1], [2, 3]):
+        inputs = list(samples)
+        inputs[group[1]] = inputs[group[1]] + 1          # the second rank of this group gets another sample
+        message = _verdict(rows(inputs), topology)
+        assert message is not None and f"inputs differ inside DSP group(s) [{group}]" in message, \
+            f"the guard missed inputs that differ inside DSP group {group} of {topology.layout['dsp']}: {message!r}"

@@ -2,7 +2,8 @@
 
 Oracle: the diffusers model itself on one process (its own forward, which shares
 no code with the adapter's sharded forward), on the same weights and batch.
-Uneven frame counts: 7 frames on 2 ranks (4+3) and 4 ranks (2+2+2+1).
+Uneven frame counts: 7 frames on 2 ranks (4+3) and 4 ranks (2+2+2+1), and n + 1 frames on n ranks,
+where the last rank holds a single frame (2+1 on 2 ranks).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dsp_plugin import reduce_gradients  # noqa: E402
 from dsp_plugin.accounting import CommAccounting  # noqa: E402
 from dsp_plugin.adapters.latte import LatteDSP  # noqa: E402
 from dsp_plugin.adapters.tiny import tiny_latte  # noqa: E402
-from tests.distributed import run_distributed  # noqa: E402
+from dsp_plugin.checks import check_mode  # noqa: E402
+from tests.distributed import assert_no_steady_state_checks, run_distributed  # noqa: E402
 
 LAYERS = 2
 
@@ -75,8 +77,23 @@ def _parallel(rank: int, n: int) -> dict[str, float | str]:
         result |= {f"{tag}out": (out - out_ref).abs().max().item(), f"{tag}dx": (dx - dx_ref).abs().max().item(),
                    f"{tag}grads": _max_diff(g, g_ref)}
         if not checkpointing:
+            with CommAccounting(activations=False) as steady:      # the same step again: nothing is new
+                _run(adapter, batch)
             result |= {"fwd_all_to_all": acct.count("all_to_all", "forward"),
-                       "fwd_all_gather": acct.count("all_gather", "forward")}
+                       "fwd_all_gather": acct.count("all_gather", "forward"),
+                       "steady_checks": [(r.op, r.group_ranks) for r in steady.check_records],
+                       "check_mode": check_mode()}
+    # n + 1 frames: the last rank holds a single frame (2+1 on 2 ranks), where a local frame count
+    # used in place of the global one shows even on 2 ranks
+    few = _batch(frames=n + 1)
+    reference = tiny_latte(frames=n + 1, layers=LAYERS)
+    adapter = LatteDSP(copy.deepcopy(reference))
+    out_ref, dx_ref, g_ref = _run(reference, few)
+    out, dx, _ = _run(adapter, few)
+    reduce_gradients(adapter.parameters())
+    g = {k.removeprefix("model."): p.grad for k, p in adapter.named_parameters()}
+    result |= {"single_out": (out - out_ref).abs().max().item(), "single_dx": (dx - dx_ref).abs().max().item(),
+               "single_grads": _max_diff(g, g_ref)}
     # bad input is caught before any collective, on every rank, so the group stays usable
     try:
         LatteDSP(tiny_latte(frames=n - 1, layers=1))(*_batch(frames=n - 1)[:1], timestep=batch[1],
@@ -88,14 +105,22 @@ def _parallel(rank: int, n: int) -> dict[str, float | str]:
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_parallel_equals_unmodified_model_uneven_frames(n: int) -> None:
-    """7 frames on 2 and 4 ranks, with and without the model's own gradient checkpointing."""
+    """7 frames on 2 and 4 ranks, with and without the model's own gradient checkpointing; n + 1 frames;
+    no fingerprint exchange once every signature is known."""
     for rank, d in enumerate(run_distributed(_parallel, n)):
         print(f"n={n} rank {rank}: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items() if isinstance(v, float)))
-        for key in ("out", "dx", "grads", "ckpt_out", "ckpt_dx", "ckpt_grads"):
-            assert d[key] < 1e-5, f"rank {rank}/{n}: {key} differs by {d[key]:.3g}"
+        for prefix, frames, how in (("", 7, ""), ("ckpt_", 7, " under gradient checkpointing"),
+                                    ("single_", n + 1, " (the last rank holds a single frame: a local frame "
+                                                       "count used in place of the global one?)")):
+            sizes = [len(c) for c in torch.arange(frames).tensor_split(n)]
+            for key, what in (("out", "output"), ("dx", "input gradient"), ("grads", "parameter gradients")):
+                diff = d[prefix + key]
+                assert diff < 1e-5, f"rank {rank}/{n}, {frames} frames split {sizes}{how}: the adapter's " \
+                    f"{what} differs from the unmodified model's by {diff:.3g}"
         # two switches per layer (the last one back to frames for the output stage); one exit gather
         assert d["fwd_all_to_all"] == 2 * LAYERS, d
         assert d["fwd_all_gather"] == 1, d
+        assert_no_steady_state_checks(d["steady_checks"], d["check_mode"], f"LatteDSP, rank {rank}/{n}")
         assert f"frames={n - 1} is smaller than the DSP size {n}" in d.get("too_few_frames", ""), d
 
 

@@ -7,13 +7,15 @@ error is raised while parsing, i.e. before ``init_process_group`` on every rank.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.training")
 
-from dsp_plugin.megatron.arguments import add_dsp_arguments  # noqa: E402
+from dsp_plugin.megatron.arguments import add_dsp_arguments, check_fp8_shapes  # noqa: E402
 
 BASE = ["--num-layers", "4", "--hidden-size", "16", "--num-attention-heads", "4", "--seq-length", "48",
         "--max-position-embeddings", "48", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
@@ -73,14 +75,22 @@ GEOMETRY = ["--num-frames", "6", "--latent-height", "2", "--latent-width", "3", 
 @pytest.mark.parametrize(("argv", "world_size", "message"), [
     (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--dsp-size", "2"], 4,
      "--sequence-parallel-mode dsp does not support --sequence-parallel"),
-    (["--position-embedding-type", "rope", "--dsp-size", "2"], 2,
-     "does not support --position-embedding-type rope"),
+    (["--position-embedding-type", "mrope", "--dsp-size", "2"], 2,
+     "--position-embedding-type mrope: the spatial-temporal DSP layers take one of"),
     (["--recompute-granularity", "selective", "--recompute-modules", "core_attn", "mlp", "--dsp-size", "2"], 2,
      "--recompute-modules ['core_attn', 'mlp'] is not supported"),
     (["--transformer-impl", "transformer_engine", "--dsp-size", "8", "--seq-length", "48"], 8,
      "dsp size (8) exceeds the frames (6) or patches (6) of a sample: some ranks would hold empty shards"),
     (["--fp8-format", "hybrid", "--dsp-size", "4", "--micro-batch-size", "1", "--seq-length", "48"], 4,
-     "FP8 needs every GEMM's rows divisible by 16 on every DSP rank (dsp size 4): spatial layers (6 patches x"),
+     "FP8 (--fp8-recipe delayed) needs every GEMM input and weight with rows divisible by 8 and last dim "
+     "divisible by 16 (Transformer Engine's rule) on every DSP rank (dsp size 4): linear_qkv input: spatial "
+     "layer tokens (6 patches x 1 local frames x micro batch 1): 6 rows x 16"),
+    (["--cuda-graph-impl", "transformer_engine", "--dsp-size", "2"], 2,
+     "--cuda-graph-impl transformer_engine: CUDA graphs are not supported with DSP layers"),
+    (["--cuda-graph-impl", "local", "--dsp-size", "2"], 2, "--cuda-graph-impl local: CUDA graphs are not supported"),
+    (["--external-cuda-graph", "--dsp-size", "2"], 2, "--external-cuda-graph: CUDA graphs are not supported"),
+    (["--init-model-with-meta-device", "--dsp-size", "2"], 2,
+     "--init-model-with-meta-device is not supported with DSP layers: Megatron materialises meta parameters"),
 ])
 def test_unsupported_options_and_shapes_fail_while_parsing(monkeypatch: pytest.MonkeyPatch, argv: list[str],
                                                            world_size: int, message: str) -> None:
@@ -162,3 +172,146 @@ def test_documented_fp8_line_passes_the_shape_checks(monkeypatch: pytest.MonkeyP
                                "8", "--latent-width", "8", "--text-len", "16", "--seq-length", "1024"],
                  world_size=8, validate=False, provider=_with_model_arguments)
     assert (args.dsp_size, args.context_parallel_size) == (4, 4)
+
+
+# -- FP8: the parse-time check against Transformer Engine's rule on the GEMMs the model really runs -------
+
+
+def te_accepts(shape: tuple[int, ...], recipe: str) -> bool:
+    """Transformer Engine's rule for one FP8 GEMM operand: ``assert_dim_for_fp8_exec`` (rows % 8, last dim
+    % 16, inputs and weights, every recipe) and, for MXFP8, ``MXFP8Quantizer``'s 1x32 blocks (both % 32)."""
+    rows, last = math.prod(shape[:-1]), shape[-1]
+    ok = rows % 8 == 0 and last % 16 == 0
+    return ok and (recipe != "mxfp8" or (rows % 32 == 0 and last % 32 == 0))
+
+
+def gemm_operands(args) -> list[tuple[int, ...]]:
+    """Shapes of every input and weight entering a tensor-parallel linear in one forward of the launch's
+    model (DSP=1, one rank; the local linears stand where TE's would)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    from dsp_plugin.megatron.groups import install_topology
+    from dsp_plugin.megatron.steps import SyntheticVideoDataset, build_model, model_config_from_args
+    from dsp_plugin.megatron.steps import video_shape_from_args
+
+    from dsp_plugin.megatron.cpu import cuda_shim
+
+    install_topology()
+    video = video_shape_from_args(args)
+    args.transformer_impl = "local"  # the local spec has the same GEMMs as the TE one
+    with cuda_shim():
+        model = build_model(model_config_from_args(args), video, text_dim=args.text_dim, text_len=args.text_len)
+    shapes: list[tuple[int, ...]] = []
+
+    def record(module, inputs, output) -> None:
+        shapes.extend([tuple(inputs[0].shape), tuple(module.weight.shape)])
+
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            module.register_forward_hook(record)
+    item = SyntheticVideoDataset(video, 1, text_dim=args.text_dim, text_len=args.text_len)[0]
+    batch = {k: v[None].expand(args.micro_batch_size, *v.shape) for k, v in item.items()}
+    with torch.no_grad():
+        model(batch["latents"], batch["timestep"], batch["text"])
+    return shapes
+
+
+GEO = ["--num-frames", "4", "--latent-height", "2", "--latent-width"]
+FP8_CASES = [  # (argv, recipe, TE accepts): frames x height x width, text tokens, hidden, micro batch
+    pytest.param([*GEO, "3", "--text-len", "8"], "delayed", True, id="24rows"),
+    pytest.param([*GEO, "3", "--text-len", "4"], "delayed", False, id="text4"),
+    pytest.param([*GEO, "4", "--text-len", "8", "--hidden-size", "40", "--ffn-hidden-size", "160"], "delayed",
+                 False, id="hidden40"),
+    pytest.param([*GEO, "3", "--text-len", "8"], "mxfp8", False, id="mxfp8-24rows"),
+    pytest.param([*GEO, "4", "--text-len", "32", "--hidden-size", "32", "--ffn-hidden-size", "128"], "mxfp8",
+                 True, id="mxfp8-32rows"),
+    pytest.param([*GEO, "3", "--text-len", "4", "--micro-batch-size", "2"], "blockwise", True, id="blockwise-mbs2"),
+]
+
+
+@pytest.mark.parametrize(("argv", "recipe", "expected"), FP8_CASES)
+def test_fp8_check_is_transformer_engines_rule(monkeypatch: pytest.MonkeyPatch, one_rank, argv: list[str],
+                                               recipe: str, expected: bool) -> None:
+    """DSP size 1 (the check used to skip it): the parse-time check accepts exactly when every GEMM operand
+    of a real forward passes TE's rule."""
+    base = ["--sequence-parallel-mode", "dsp", "--dsp-size", "1", "--text-dim", "16", "--seq-length", "48",
+            "--no-gradient-accumulation-fusion", "--use-cpu-initialization", "--no-bias-gelu-fusion",
+            "--no-bias-dropout-fusion", "--no-masked-softmax-fusion", "--normalization", "LayerNorm"]
+    args = parse(monkeypatch, [*base, *argv], world_size=1, provider=_with_model_arguments)
+    operands = gemm_operands(args)
+    te_ok = all(te_accepts(shape, recipe) for shape in operands)
+    args.fp8, args.fp8_recipe = "hybrid", recipe
+    message = ""
+    try:
+        check_fp8_shapes(args, 1)
+    except ValueError as error:
+        message = str(error)
+    print(f"\n{recipe} {argv}: TE's rule {'accepts' if te_ok else 'rejects'} "
+          f"{sorted(set(s for s in operands if not te_accepts(s, recipe)))}; parse-time check: "
+          f"{message[message.find('(dsp size'):][:200] or 'accepts'}")
+    assert te_ok == expected and (not message) == te_ok
+
+
+def test_flops_hook_is_called_the_way_train_calls_it() -> None:
+    """``install_flops_formula`` replaces Megatron's function with one of the same signature; called exactly as
+    ``train()`` and ``training_log()`` call it (training.py: ``consume_seqlen_stats_in_iteration`` then the
+    keywords), it gives 3 forwards of this model per sample."""
+    import argparse
+    import inspect
+
+    from megatron.training import training
+
+    from dsp_plugin.megatron.flops import forward_flops_per_sample, install_flops_formula
+
+    original = training.num_floating_point_operations
+    install_flops_formula()
+    try:
+        hook = training.num_floating_point_operations
+        assert hook is not original
+        assert list(inspect.signature(hook).parameters) == list(inspect.signature(original).parameters)
+        args = argparse.Namespace(num_frames=8, latent_height=2, latent_width=3, latent_channels=4, hidden_size=32,
+                                  ffn_hidden_size=128, num_layers=4, text_dim=16, text_len=4)
+        total_real_tokens_in_batch, seqlen_squared_sum_in_batch = training.consume_seqlen_stats_in_iteration()
+        flops = training.num_floating_point_operations(
+            args, 4, seqlen_squared_sum_in_batch=seqlen_squared_sum_in_batch,
+            total_real_tokens_in_batch=total_real_tokens_in_batch)
+        per_sample = forward_flops_per_sample(frames=8, patches=6, channels=4, hidden=32, ffn_hidden=128,
+                                              num_layers=4, text_len=4, text_dim=16)
+        assert flops == 3 * 4 * per_sample > 0
+    finally:
+        training.num_floating_point_operations = original
+
+
+def test_parameters_are_created_where_megatron_creates_its_own(monkeypatch: pytest.MonkeyPatch, one_rank) -> None:
+    """Without ``use_cpu_initialization`` megatron-core puts its parameters on ``torch.cuda.current_device()``;
+    the model's own modules (embeddings, adaLN, head) must follow. The current device is made ``meta`` here
+    (no GPU needed): every parameter, Megatron's and ours, must land there; with ``use_cpu_initialization``
+    every one is on the CPU."""
+    from dsp_plugin.megatron.groups import install_topology
+    from dsp_plugin.megatron.model import VideoShape
+    from dsp_plugin.megatron.steps import build_model, dsp_config
+
+    install_topology()
+    video = VideoShape(4, 4, 2, 2)
+    common = dict(num_layers=2, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0,
+                  perform_initialization=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: torch.device("meta"))
+    on_device = build_model(dsp_config(video, use_cpu_initialization=False, **common), video, text_dim=8, text_len=4)
+    devices = {name: p.device.type for name, p in on_device.named_parameters()}
+    assert set(devices.values()) == {"meta"}, {n: d for n, d in devices.items() if d != "meta"}
+    on_cpu = build_model(dsp_config(video, use_cpu_initialization=True, **common), video, text_dim=8, text_len=4)
+    assert {p.device.type for p in on_cpu.parameters()} == {"cpu"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU shim")
+def test_training_shim_answers_pretrains_queries_and_puts_everything_back() -> None:
+    from dsp_plugin.megatron.cpu import cuda_shim
+
+    originals = (torch.cuda.is_available, torch.cuda.device_count, torch.accelerator.current_stream)
+    with cuda_shim(training=True):
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+        assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == 0 == torch.cuda.max_memory_allocated()
+        assert torch.ones(2).pin_memory().device.type == "cpu" == torch.zeros(1, device="cuda").device.type
+        assert not torch.accelerator.current_stream().is_capturing() and torch._dynamo.config.disable
+    assert (torch.cuda.is_available, torch.cuda.device_count, torch.accelerator.current_stream) == originals
+    assert not torch.cuda.is_available() and not torch._dynamo.config.disable

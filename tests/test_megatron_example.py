@@ -3,7 +3,8 @@
 - ``STDiTMegatron`` at TP = PP = DSP = 1, with the weights of the plain-torch
   ``STDiT`` (``dsp_plugin/models/stdit.py``), gives its outputs and gradients (fp32, 1e-5).
 - The "Your own model" block of docs/megatron.md, executed from the file, gives the
-  same output and input gradient at DSP=2 as at DSP=1, and RoPE is refused by the layer.
+  same output and input gradient at DSP=2 as at DSP=1, and a rotary table is refused by a layer whose
+  config does not ask for RoPE.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def test_documented_own_model_example_dsp2_equals_dsp1() -> None:
     # the entry split and 3 switches (layers 2-4); none at DSP=1 (DP=2)
     assert dsp1["sharded_calls"] == 0 and dsp2["sharded_calls"] == 4, (dsp1["sharded_calls"], dsp2["sharded_calls"])
     assert diff < 1e-5 and grad < 1e-5
-    assert "rotary position embeddings are not supported under DSP" in dsp2["rope_error"]
+    assert "got rotary_pos_emb but position_embedding_type='learned_absolute'" in dsp2["rope_error"]
 
 
 def test_adaln_zero_initialisation_in_both_models(one_rank: None) -> None:

@@ -102,15 +102,16 @@ def test_te_dsp_block_bf16_and_fp8(one_rank: None, fp8: str | None) -> None:
     block's own): forward/backward run, finite, and the throughput is printed."""
     from megatron.core.transformer.transformer_block import TransformerBlock
 
-    from dsp_plugin.megatron.config import DSPTransformerConfig
+    from dsp_plugin.megatron.config import FRAME_DIM, DSPTransformerConfig
+    from dsp_plugin.megatron.dsp_layer import attach_video_grid
 
     if fp8 and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 needs sm_89 or newer")
     config = DSPTransformerConfig(num_layers=2, hidden_size=1024, num_attention_heads=16, bf16=True,
-                                  params_dtype=torch.bfloat16, fp8=fp8, hidden_dropout=0.0, attention_dropout=0.0,
-                                  dsp_frames=16, dsp_patches=64)
+                                  params_dtype=torch.bfloat16, fp8=fp8, hidden_dropout=0.0, attention_dropout=0.0)
     block = TransformerBlock(config, dsp_layer_spec("transformer_engine"), post_layer_norm=False).cuda()
     x = torch.randn(16 * 64, 4, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    attach_video_grid(x, (16, 64), FRAME_DIM)  # 16 frames x 64 patches, whole (one rank)
     cond = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
     text = torch.randn(16, 4, 1024, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):

@@ -14,8 +14,9 @@ import torch
 
 from dsp_plugin import reduce_gradients
 from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.checks import check_mode
 from dsp_plugin.models import STDiT, STDiTConfig, parallelize, switch_schedule
-from tests.distributed import run_distributed
+from tests.distributed import assert_no_steady_state_checks, run_distributed
 
 TOL = 1e-5
 
@@ -87,8 +88,13 @@ def _comm_per_layer(rank: int, n: int) -> dict[str, object]:
         torch.nn.functional.mse_loss(reference(latents, timestep, text), target).backward()
     with CommAccounting() as acct:
         torch.nn.functional.mse_loss(model(latents, timestep, text), target).backward()
+    with CommAccounting(activations=False) as steady:   # the next step: every signature and length known
+        torch.nn.functional.mse_loss(model(latents, timestep, text), target).backward()
     return {
         "ops": [(r.op, r.phase) for r in acct.records],
+        "steady_ops": [(r.op, r.phase) for r in steady.records],
+        "steady_checks": [(r.op, r.group_ranks) for r in steady.check_records],
+        "check_mode": check_mode(),
         "all_to_all_sent": [r.bytes_sent for r in acct.select("all_to_all")],
         "saved": acct.saved_activation_bytes,
         "saved_single": ref_acct.saved_activation_bytes,
@@ -128,6 +134,8 @@ def test_two_all_to_alls_per_layer_with_the_formula_bytes(results: tuple[int, li
         assert ops.count(("all_gather", "forward")) == 1   # the exit gather; nothing else
         assert len(ops) == 2 * switches + 1
         assert comm["all_to_all_sent"] == [m * (n - 1) // n**2] * (2 * switches)
+        assert comm["steady_ops"] == ops
+        assert_no_steady_state_checks(comm["steady_checks"], comm["check_mode"], "the parallelized STDiT")
 
 
 def test_activation_memory_is_sharded(results: tuple[int, list[dict]]) -> None:

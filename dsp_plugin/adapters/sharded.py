@@ -11,8 +11,10 @@ forward around its own blocks with this value type:
     unfold(y,d) <- the inverse, with the LOCAL lengths of the other dims
 
 ``lengths`` holds the global length of every sequence dim. It is part of the
-value (as DTensor carries its global shape), computed from the model input in
-the forward's own frame and handed to every collective as ``global_len``: no
+value (as DTensor carries its global shape), and ``tensor`` carries the sharded
+dim's ``layout.ShardSpec`` tag (the project's one carrier of shard metadata).
+The lengths come from the model input in the forward's own frame and are
+handed to every collective as ``global_len``: no
 per-forward global state, no closure, no extra collective. The type is frozen,
 so the same forward can run in two threads, under activation checkpointing, or
 re-entrantly (a pipeline calling the model twice per step).
@@ -26,6 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from dsp_plugin import layout
 from dsp_plugin.comm import chunk_sizes, dynamic_switch, gather, group_rank, group_size, split
 
 __all__ = ["Sharded", "check_divisible_lengths"]
@@ -52,6 +55,16 @@ class Sharded:
     lengths: tuple[int, ...]
     shard: int
     group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        # the one carrier: the tensor itself carries its ShardSpec, so a primitive (or a plan hook)
+        # handed ``seq.tensor`` reads the global length from it like from any other shard
+        layout.attach(self.tensor, self.shard, self.lengths[self.shard - 1])
+
+    @property
+    def spec(self) -> layout.ShardSpec:
+        """The carrier's tag of ``tensor``: ``S(shard)`` of the global length of that dim."""
+        return layout.ShardSpec(self.shard, self.lengths[self.shard - 1])
 
     # -- construction -------------------------------------------------------
     @staticmethod

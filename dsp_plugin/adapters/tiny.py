@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["tiny_latte", "tiny_latte_pipeline", "tiny_prompt_embeds", "tiny_spatiotemporal"]
+__all__ = ["tiny_latte", "tiny_latte_pipeline", "tiny_prompt_embeds", "tiny_spatiotemporal", "tiny_wan"]
 
 CAPTION_CHANNELS = 16
 
@@ -74,4 +74,19 @@ def tiny_spatiotemporal(*, layers: int = 2, channels: int = 32, heads: int = 2, 
             if p.abs().sum() == 0:
                 p.normal_(0, 0.02)
         model.time_mixer.mix_factor.fill_(0.3)  # a mixer that weights both paths unequally
+    return model
+
+
+def tiny_wan(*, layers: int = 2, heads: int = 3, head_dim: int = 8, text_dim: int = 16, seed: int = 0) -> Any:
+    """A ``WanTransformer3DModel`` (Wan 2.1 text-to-video layout): patch (1, 2, 2), 4 latent channels."""
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(seed)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
+                                  in_channels=4, out_channels=4, text_dim=text_dim, freq_dim=16, ffn_dim=32,
+                                  num_layers=layers, cross_attn_norm=True, rope_max_seq_len=32)
+    with torch.no_grad():
+        for p in model.parameters():  # zero-initialised tables would hide a path
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.02)
     return model

@@ -4,9 +4,12 @@
     python -m dsp_plugin.bench --quick --nproc 2
     python -m dsp_plugin.bench --scale-only     # only the 128-H100 predictions
     python -m dsp_plugin.bench --scale-only --calibration measured.json
+    python -m dsp_plugin.bench.mixed            # only the mixed-model table (factorized + full blocks)
 
 Writes ``bench_n{N}.json``, ``bench_n{N}.md``, ``bench_n{N}.png`` and
-``scale_model.png`` under ``--out`` (default ``bench_out/``). Progress goes to
+``scale_model.png`` under ``--out`` (default ``bench_out/``), and the mixed model's
+table (``dsp_plugin.bench.mixed``: DSP switches + head switch against Ulysses
+everywhere, in bytes) as ``mixed_n{N}.md``. Progress goes to
 stderr; the tables to stdout.
 """
 
@@ -82,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     print()
     print(scale_md)
+    from dsp_plugin.bench import mixed  # factorized + full-attention blocks: DSP against Ulysses everywhere
+
+    mixed_md = mixed.run(args.nproc, mixed.PATTERN, mixed.QUICK_SHAPE if args.quick else mixed.SHAPE, mixed.HEADS,
+                         reps=cfg.steps)
+    (args.out / f"mixed_n{args.nproc}.md").write_text(mixed_md + "\n")
+    print(f"\n## Mixed model\n\n{mixed_md}")
     print(f"\n[bench] wrote {stem}.json, {stem}.md, {stem}.png, {args.out / 'scale_model.png'} "
           f"in {summary['wall_s']:.1f}s", file=sys.stderr)
     return 0

@@ -2,10 +2,10 @@
 
 - ``arguments``: the flag and ``--dsp-size`` through ``extra_args_provider``, validated at parse time.
 - ``groups``: DSP in parallel_state's context-parallel slot; a ``Topology`` over Megatron's groups.
-- ``config``: ``DSPTransformerConfig`` (video geometry, attend pattern) and the shard rules.
+- ``config``: ``DSPTransformerConfig`` (attend pattern, RoPE, adaLN-single; no geometry) and the shard rules.
 - ``dsp_layer``: ``DSPSpatialTemporalLayer``, a ``TransformerLayer`` that switches the shard
   itself; ``layers.dsp_layer_spec`` builds it (local for CPU, Transformer Engine for GPU).
-- ``tokens``: entry/exit helpers and checks for a user's own model.
+- ``tokens``: entry/exit helpers (tagging the global frames and patches), RoPE tables, checks for a user's own model.
 - ``model``: the video DiT: embeddings, a stock ``TransformerBlock`` of DSP layers, the head.
 - ``recompute``: full recompute without replaying the switch.
 - ``weights``: load the plain-torch reference's weights (the oracle); ``flops``: its FLOPs.
@@ -25,13 +25,14 @@ from dsp_plugin.megatron.arguments import add_dsp_arguments, apply_dsp_arguments
 
 __all__ = ["DSPSpatialTemporalLayer", "DSPTransformerConfig", "add_dsp_arguments", "apply_dsp_arguments",
            "dsp_enabled", "dsp_layer_spec", "forward_step", "gather_video_tokens", "install_topology",
-           "model_provider", "require_dsp_layers", "shard_range", "split_video_tokens"]
+           "model_provider", "require_dsp_layers", "shard_range", "split_video_tokens", "video_rope",
+           "attach_video_grid"]
 
 _LAZY = {"install_topology": "groups", "initialize_dsp_model_parallel": "groups",
          "model_provider": "steps", "forward_step": "steps", "STDiTMegatron": "model",
          "DSPTransformerConfig": "config", "DSPSpatialTemporalLayer": "dsp_layer", "dsp_layer_spec": "layers",
          "split_video_tokens": "tokens", "gather_video_tokens": "tokens", "require_dsp_layers": "tokens",
-         "shard_range": "tokens"}
+         "shard_range": "tokens", "video_rope": "tokens", "attach_video_grid": "dsp_layer"}
 
 
 def __getattr__(name: str) -> Any:

@@ -27,7 +27,8 @@ import argparse
 import os
 from typing import Any
 
-__all__ = ["MODES", "add_dsp_arguments", "apply_dsp_arguments", "check_models_for_dsp_layers", "dsp_enabled"]
+__all__ = ["FP8_RULES", "MODES", "add_dsp_arguments", "apply_dsp_arguments", "check_launch_options", "check_fp8_shapes",
+           "check_models_for_dsp_layers", "dsp_enabled", "fp8_gemms"]
 
 #: Values of ``--sequence-parallel-mode``.
 MODES = ("none", "dsp")
@@ -53,6 +54,9 @@ def add_dsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
         def parse_known_args_and_apply_dsp(args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
             parsed, rest = parse_known_args(args, namespace)
             apply_dsp_arguments(parsed, world_size=int(os.getenv("WORLD_SIZE", "1")))
+            if dsp_enabled(parsed) or getattr(parsed, "num_frames", None) is not None:  # DSP layers in use
+                check_launch_options(parsed)
+            check_fp8_shapes(parsed, parsed.dsp_size)
             if dsp_enabled(parsed):
                 check_models_for_dsp_layers()
             return parsed, rest
@@ -78,6 +82,8 @@ def apply_dsp_arguments(args: argparse.Namespace, *, world_size: int) -> argpars
     mode = getattr(args, "sequence_parallel_mode", "none")
     if mode not in MODES:
         raise ValueError(f"--sequence-parallel-mode {mode!r} is not one of {', '.join(MODES)}")
+    if mode == "dsp" or hasattr(args, "latent_channels"):  # DSP layers, or the launch's own DSP model
+        check_position_embedding(args)
     dsp = getattr(args, "dsp_size", None)
     if mode == "none":
         if dsp not in (None, 1):
@@ -129,8 +135,107 @@ def apply_dsp_arguments(args: argparse.Namespace, *, world_size: int) -> argpars
     return args
 
 
-#: rows of every TE GEMM input under FP8 must divide by this (16 covers the stricter recipes)
-FP8_ROW_ALIGNMENT = 16
+#: Transformer Engine's FP8 GEMM shape rule per ``--fp8-recipe``: (rows, last dim) of every GEMM
+#: input and weight. TE's linears assert ``prod(shape[:-1]) % 8 == 0 and shape[-1] % 16 == 0`` on the
+#: input and the weight (``assert_dim_for_fp8_exec``) under every recipe; MXFP8 quantizes 1x32 blocks
+#: and asserts both dims % 32 (``MXFP8Quantizer.make_empty``). Blockwise (128-tiles) pads partial
+#: tiles in its scales; Megatron aligns it like the per-tensor recipes (``get_fp8_align_size``: 16).
+FP8_RULES = {"delayed": (8, 16), "tensorwise": (8, 16), "blockwise": (8, 16), "custom": (8, 16), "mxfp8": (32, 32)}
+
+
+def fp8_gemms(args: argparse.Namespace, dsp: int) -> list[tuple[str, int, int]]:
+    """``(name, rows, last dim)`` of every GEMM operand (inputs and weights) a DSP layer of the launch's
+    model gives Transformer Engine on some DSP rank: spatial layers hold all S patches of T/dsp frames,
+    temporal layers all T frames of S/dsp patches (uneven chunks both ways), cross-attention keys the
+    text; weights are split over TP. Needs the launch's geometry arguments."""
+    from dsp_plugin.comm import chunk_sizes
+
+    frames, patches = args.num_frames, args.latent_height * args.latent_width
+    mbs, tp = getattr(args, "micro_batch_size", 1) or 1, _size(args, "tensor_model_parallel_size")
+    hidden = args.hidden_size
+    ffn = getattr(args, "ffn_hidden_size", None) or 4 * hidden
+    rows = {f"spatial layer tokens ({patches} patches x {t} local frames x micro batch {mbs})": patches * t * mbs
+            for t in sorted(set(chunk_sizes(frames, dsp)))}
+    rows |= {f"temporal layer tokens ({frames} frames x {s} local patches x micro batch {mbs})": frames * s * mbs
+             for s in sorted(set(chunk_sizes(patches, dsp)))}
+    text = bool(getattr(args, "text_dim", 0))
+    if text:
+        rows[f"cross-attention keys ({args.text_len} text tokens x micro batch {mbs})"] = args.text_len * mbs
+    gemms = []
+    for what, n in rows.items():  # inputs: [rows, in features] of each linear the tokens enter
+        cross = what.startswith("cross")
+        ins = [("linear_kv input", hidden)] if cross else [
+            ("linear_qkv input", hidden), ("linear_proj input", hidden // tp), ("linear_fc1 input", hidden),
+            ("linear_fc2 input", ffn // tp)] + ([("cross linear_q input", hidden),
+                                                ("cross linear_proj input", hidden // tp)] if text else [])
+        gemms += [(f"{name}: {what}", n, k) for name, k in ins]
+    weights = [("linear_qkv", 3 * hidden // tp, hidden), ("linear_proj", hidden, hidden // tp),
+               ("linear_fc1", ffn // tp, hidden), ("linear_fc2", hidden, ffn // tp)]
+    if text:
+        weights += [("cross linear_q", hidden // tp, hidden), ("cross linear_kv", 2 * hidden // tp, hidden),
+                    ("cross linear_proj", hidden, hidden // tp)]
+    gemms += [(f"{name} weight [{out} x {k}] (tp {tp})", out, k) for name, out, k in weights]
+    return gemms
+
+
+def check_fp8_shapes(args: argparse.Namespace, dsp: int) -> None:
+    """Refuse an FP8 run whose GEMM shapes break TE's rule for ``--fp8-recipe`` (any DSP size, 1 included)."""
+    if not (getattr(args, "fp8", None) or getattr(args, "fp8_format", None)):
+        return
+    if any(getattr(args, name, None) is None for name in ("num_frames", "latent_height", "latent_width")):
+        return  # a user's own launch: its geometry is not known here
+    recipe = getattr(args, "fp8_recipe", None) or "delayed"
+    row_align, dim_align = FP8_RULES.get(recipe, FP8_RULES["delayed"])
+    bad = [f"{what}: {rows} rows x {dim}" for what, rows, dim in fp8_gemms(args, dsp)
+           if rows % row_align or dim % dim_align]
+    if bad:
+        raise ValueError(f"FP8 (--fp8-recipe {recipe}) needs every GEMM input and weight with rows divisible by "
+                         f"{row_align} and last dim divisible by {dim_align} (Transformer Engine's rule) on every "
+                         f"DSP rank (dsp size {dsp}): " + "; ".join(bad))
+
+
+def check_launch_options(args: argparse.Namespace) -> None:
+    """Megatron options the DSP layers cannot honour, refused while parsing.
+
+    CUDA graphs capture the stock layer with static GPT-shaped inputs and never run the DSP forward.
+    ``--init-model-with-meta-device``: Megatron then materialises the parameters with ``torch.empty``
+    (``to_empty_if_meta_device``), dropping the adaLN zero-init and the weights a model draws (or copies
+    from the reference) at construction.
+    """
+    if getattr(args, "init_model_with_meta_device", False):
+        raise ValueError("--init-model-with-meta-device is not supported with DSP layers: Megatron materialises "
+                         "meta parameters uninitialised (to_empty), which drops the adaLN zero-init and the "
+                         "weights drawn at construction; drop it (parameters are created on the current device)")
+    impl = getattr(args, "cuda_graph_impl", "none") or "none"
+    legacy = [flag for flag in ("enable_cuda_graph", "external_cuda_graph") if getattr(args, flag, False)]
+    if impl != "none" or legacy:
+        given = f"--cuda-graph-impl {impl}" if impl != "none" else "--" + legacy[0].replace("_", "-")
+        raise ValueError(f"{given}: CUDA graphs are not supported with DSP layers (Megatron's capture runs "
+                         "the stock TransformerLayer with static GPT-shaped inputs, not the DSP forward and "
+                         "its all-to-alls); use --cuda-graph-impl none")
+
+
+def check_position_embedding(args: argparse.Namespace) -> None:
+    """``--position-embedding-type`` values the DSP model takes (any mode; the launch's model is DSP layers).
+
+    RoPE is computed from each token's global frame (and, with ``--spatial-rope``, patch) index along
+    the attended dim, which DSP never shards; Megatron's fused RoPE kernel needs Transformer Engine.
+    """
+    from dsp_plugin.megatron.config import POSITION_EMBEDDINGS
+
+    kind = getattr(args, "position_embedding_type", None)
+    if kind is not None and kind not in POSITION_EMBEDDINGS:
+        raise ValueError(f"--position-embedding-type {kind}: the spatial-temporal DSP layers take one of "
+                         f"{', '.join(POSITION_EMBEDDINGS)} (rope: temporal RoPE from the global frame index)")
+    if kind == "rope" and getattr(args, "apply_rope_fusion", False):
+        from dsp_plugin.megatron.layers import te_available
+
+        if not te_available():
+            raise ValueError("--position-embedding-type rope: RoPE fusion (on by default) needs Transformer "
+                             "Engine, which is not importable here; pass --no-rope-fusion")
+    if getattr(args, "dsp_spatial_rope", False) and kind != "rope":
+        raise ValueError(f"--spatial-rope needs --position-embedding-type rope, got {kind}")
+
 
 
 def check_model_options(args: argparse.Namespace, dsp: int) -> None:
@@ -143,11 +248,6 @@ def check_model_options(args: argparse.Namespace, dsp: int) -> None:
     if getattr(args, "sequence_parallel", False):
         raise ValueError("--sequence-parallel-mode dsp does not support --sequence-parallel (Megatron sequence "
                          "parallelism inside TP): DSP layers already shard the sequence; drop one of the two")
-    rope = getattr(args, "position_embedding_type", None)
-    if rope in ("rope", "mrope", "yarn"):
-        raise ValueError(f"--sequence-parallel-mode dsp does not support --position-embedding-type {rope}: "
-                         "Megatron slices rotary embeddings by context-parallel rank, which is not the DSP "
-                         "shard; DSP layers add sin-cos positions along the dim they attend (never sharded)")
     if getattr(args, "recompute_granularity", None) == "selective":
         modules = set(getattr(args, "recompute_modules", None) or ["core_attn"])
         if modules - {"core_attn"}:
@@ -164,22 +264,6 @@ def check_model_options(args: argparse.Namespace, dsp: int) -> None:
         raise ValueError(f"dsp size ({dsp}) exceeds the frames ({frames}) or patches ({patches}) of a sample: "
                          "some ranks would hold empty shards, which Transformer Engine kernels cannot take; "
                          "use --dsp-size <= min(frames, patches) or --transformer-impl local")
-    if getattr(args, "fp8", None) or getattr(args, "fp8_format", None):
-        from dsp_plugin.comm import chunk_sizes
-
-        mbs = getattr(args, "micro_batch_size", 1) or 1
-        rows = {f"spatial layers ({patches} patches x {t} local frames x micro batch {mbs})": patches * t * mbs
-                for t in set(chunk_sizes(frames, dsp))}
-        rows |= {f"temporal layers ({frames} frames x {s} local patches x micro batch {mbs})": frames * s * mbs
-                 for s in set(chunk_sizes(patches, dsp))}
-        text_len, text_dim = getattr(args, "text_len", 0), getattr(args, "text_dim", 0)
-        if text_dim:
-            rows[f"cross-attention keys ({text_len} text tokens x micro batch {mbs})"] = text_len * mbs
-        bad = {what: n for what, n in rows.items() if n % FP8_ROW_ALIGNMENT}
-        if bad:
-            listed = "; ".join(f"{what} = {n} rows" for what, n in bad.items())
-            raise ValueError(f"FP8 needs every GEMM's rows divisible by {FP8_ROW_ALIGNMENT} on every DSP rank "
-                             f"(dsp size {dsp}): {listed}")
 
 
 def check_models_for_dsp_layers() -> None:

@@ -1,33 +1,55 @@
-"""Running the Megatron pieces on CPU (gloo) for tests and CI: a small CUDA shim and a train step.
+"""Running megatron.training on CPU (gloo): one restorable CUDA shim, and the tests' train step.
 
-megatron-core assumes CUDA in a few device queries even where the tensors
-could live anywhere. ``cuda_shim()`` answers exactly those, and only while
-CUDA is absent (on a GPU machine it does nothing):
+megatron-core and ``megatron.training`` assume CUDA in device queries even where
+the tensors could live anywhere. ``cuda_shim()`` answers exactly those, and only
+while CUDA is absent (on a GPU machine it does nothing). The base set serves
+megatron-core (layers, DDP, schedules, argument validation):
 
 ============================================  =============================================
 replaced (CPU only)                           Megatron call site that needs it
 ============================================  =============================================
 ``torch.cuda.current_device() -> cpu``        DDP grad buffers (``param_and_grad_buffer``),
-                                              pipeline p2p receive buffers
+                                              pipeline p2p receive buffers, timers
 ``torch.cuda.current_stream()`` no-op stream  ``start_grad_sync`` waits on CUDA-graph events
 ``torch.cuda.get_device_properties`` sm_90    ``validate_args`` (``get_device_arch_version``)
-``torch.cuda.synchronize()`` no-op             p2p ``_communicate_shapes`` (variable lengths)
+``torch.cuda.synchronize()`` no-op             p2p ``_communicate_shapes``, timers
 ``torch.cuda.Stream()``, ``stream()`` no-ops    ``get_model`` wraps DDP on a side stream
 ``torch.cuda.get/set_rng_state`` (empty),     rerun state machine saves the CUDA RNG per step;
 also ``torch.cuda.random.*``                  activation recompute (``CheckpointFunction``)
-``device="cuda"`` in factory calls -> cpu     schedules (``total_num_tokens``), p2p shapes
-(a ``TorchFunctionMode``), ``Tensor.cuda()``
+``device="cuda"`` in factory calls -> cpu     schedules (``total_num_tokens``), p2p shapes,
+(a ``TorchFunctionMode``), ``Tensor.cuda()``  ``pretrain``'s start-time all-reduces, loss dicts;
+and ``Tensor.pin_memory()`` no-ops            the data loader pins batches for CUDA copies
 ============================================  =============================================
 
-With the shim, ``megatron.training``'s ``setup_model_and_optimizer`` (get_model,
-DDP, Megatron's optimizer and LR scheduler) and ``train_step`` run on CPU; the
-launch uses them. ``train_step`` here is the tests' smaller loop: zero the DDP
+``cuda_shim(training=True)`` adds what ``megatron.training``'s own ``pretrain()``
+and ``train()`` query, so that they run unchanged on gloo:
+
+============================================  =============================================
+``is_available() -> True``                    ``initialize_megatron`` asserts CUDA
+``device_count() -> 1``, ``set_device`` no-op  ``_initialize_distributed`` builds the model-
+                                              parallel groups (DSP in the CP slot) and
+                                              ``_set_random_seed`` the RNG tracker only
+                                              when it counts devices
+``empty_cache``, ``reset_peak_memory_stats``  ``train()``, ``save_checkpoint_and_time``,
+no-ops; memory counters 0, ``memory_stats``   ``report_memory``, ``training_log``
+``{}`` (zeros)
+``torch.accelerator.current_stream`` no-op    torch's optimizers check it for graph capture
+``torch._dynamo.config.disable = True``       ``pretrain()`` warms up Megatron's
+                                              torch.compile'd fusions (GPU kernels); they
+                                              run eagerly instead
+============================================  =============================================
+
+Everything replaced is put back when the block ends (``install_cuda_shim``
+returns the originals; ``restore_cuda_shim`` puts them back).
+
+``train_step`` is the tests' oracle loop (not used by the launch): zero the DDP
 grad buffers, Megatron's ``forward_backward_func`` with ``finalize_model_grads``,
 then a plain torch optimizer on ``main_grad`` (SGD keeps the comparison exact).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import types
 from collections.abc import Iterator
@@ -41,7 +63,7 @@ from torch.overrides import TorchFunctionMode
 
 from dsp_plugin.megatron.steps import forward_step
 
-__all__ = ["cuda_shim", "install_cuda_shim", "train_step", "wrap_ddp"]
+__all__ = ["cuda_shim", "install_cuda_shim", "restore_cuda_shim", "train_step", "wrap_ddp"]
 
 
 class _NoStream:
@@ -55,6 +77,9 @@ class _NoStream:
 
     def synchronize(self) -> None:
         return None
+
+    def is_capturing(self) -> bool:
+        return False
 
 
 def _device_properties(device: Any = None) -> types.SimpleNamespace:
@@ -73,6 +98,19 @@ _SHIMS = {
     "set_rng_state": lambda new_state, device="cuda": None,
 }
 
+_ZERO_BYTES = lambda device=None: 0  # noqa: E731 (no device memory is in use on CPU)
+
+_TRAINING_SHIMS = {
+    "is_available": lambda: True,
+    "device_count": lambda: 1,
+    "set_device": lambda device: None,
+    "empty_cache": lambda: None,
+    "reset_peak_memory_stats": lambda device=None: None,
+    "memory_stats": lambda device=None: collections.defaultdict(int),
+    "memory_allocated": _ZERO_BYTES, "max_memory_allocated": _ZERO_BYTES,
+    "memory_reserved": _ZERO_BYTES, "max_memory_reserved": _ZERO_BYTES, "device_memory_used": _ZERO_BYTES,
+}
+
 
 def _is_cuda(device: Any) -> bool:
     if isinstance(device, torch.device):
@@ -83,11 +121,12 @@ def _is_cuda(device: Any) -> bool:
 
 
 class _CudaTensorsOnCpu(TorchFunctionMode):
-    """Maps ``device="cuda"`` (and CUDA ordinals) in torch calls to the CPU; ``Tensor.cuda()`` is a no-op."""
+    """Maps ``device="cuda"`` (and CUDA ordinals) in torch calls to the CPU; ``Tensor.cuda()`` and
+    ``Tensor.pin_memory()`` (the data loader pins when ``is_available()`` answers True) are no-ops."""
 
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = dict(kwargs or {})
-        if func is torch.Tensor.cuda:
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:  # pinned memory: for CUDA copies
             return args[0]
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = "cpu"
@@ -97,14 +136,27 @@ class _CudaTensorsOnCpu(TorchFunctionMode):
 
 
 _MODE: list[_CudaTensorsOnCpu] = []
+_REAL_CUDA: list[bool] = []
 
 
-def install_cuda_shim() -> dict[str, Any]:
-    """Install the shim when CUDA is unavailable; returns what it replaced (empty on a GPU machine)."""
-    if torch.cuda.is_available():
+def cuda_is_real() -> bool:
+    """Whether this machine has CUDA, asked before any shim (``is_available`` is shimmed in training)."""
+    if not _REAL_CUDA:
+        _REAL_CUDA.append(torch.cuda.is_available())
+    return _REAL_CUDA[0]
+
+
+def install_cuda_shim(*, training: bool = False) -> dict[str, Any]:
+    """Install the shim when CUDA is unavailable; returns what it replaced (empty on a GPU machine).
+
+    ``training=True`` adds the queries of ``megatron.training``'s ``pretrain()``/``train()``
+    (``torch.cuda.is_available()`` answers True while it is installed).
+    """
+    if cuda_is_real():
         return {}
     replaced = {}
-    for name, shim in _SHIMS.items():
+    shims = {**_SHIMS, **(_TRAINING_SHIMS if training else {})}
+    for name, shim in shims.items():
         if getattr(torch.cuda, name) is not shim:
             replaced[name] = getattr(torch.cuda, name)
             setattr(torch.cuda, name, shim)
@@ -112,6 +164,15 @@ def install_cuda_shim() -> dict[str, Any]:
         if getattr(torch.cuda.random, name) is not _SHIMS[name]:
             replaced[f"random.{name}"] = getattr(torch.cuda.random, name)
             setattr(torch.cuda.random, name, _SHIMS[name])
+    if training and torch.accelerator.current_stream is not _SHIMS["current_stream"]:
+        # torch's optimizers check for graph capture on the accelerator's stream once CUDA is "available"
+        replaced["accelerator.current_stream"] = torch.accelerator.current_stream
+        torch.accelerator.current_stream = _SHIMS["current_stream"]
+    if training and not torch._dynamo.config.disable:
+        # Megatron's fusions are torch.compile'd GPU kernels (pretrain() warms them up); with
+        # is_available() answering True, dynamo would try to initialise CUDA: run them eagerly
+        torch._dynamo.config.disable = True
+        replaced["_dynamo_disable"] = False
     if not _MODE:
         _MODE.append(_CudaTensorsOnCpu())
         _MODE[0].__enter__()
@@ -119,20 +180,29 @@ def install_cuda_shim() -> dict[str, Any]:
     return replaced
 
 
+def restore_cuda_shim(replaced: dict[str, Any]) -> None:
+    """Put back what ``install_cuda_shim`` replaced."""
+    for name, original in replaced.items():
+        if name == "_mode":
+            _MODE.pop().__exit__(None, None, None)
+        elif name == "_dynamo_disable":
+            torch._dynamo.config.disable = original
+        elif name.startswith("random."):
+            setattr(torch.cuda.random, name.split(".", 1)[1], original)
+        elif name == "accelerator.current_stream":
+            torch.accelerator.current_stream = original
+        else:
+            setattr(torch.cuda, name, original)
+
+
 @contextlib.contextmanager
-def cuda_shim() -> Iterator[None]:
+def cuda_shim(*, training: bool = False) -> Iterator[None]:
     """``install_cuda_shim`` for the duration of a block, restored afterwards."""
-    replaced = install_cuda_shim()
+    replaced = install_cuda_shim(training=training)
     try:
         yield
     finally:
-        for name, original in replaced.items():
-            if name == "_mode":
-                _MODE.pop().__exit__(None, None, None)
-            elif name.startswith("random."):
-                setattr(torch.cuda.random, name.split(".", 1)[1], original)
-            else:
-                setattr(torch.cuda, name, original)
+        restore_cuda_shim(replaced)
 
 
 def wrap_ddp(model: torch.nn.Module, config: TransformerConfig, *, bucket_size: int | None = None,

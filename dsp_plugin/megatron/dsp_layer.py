@@ -1,6 +1,6 @@
 """The DSP spatial-temporal layer: a megatron-core ``TransformerLayer`` that a stock ``TransformerBlock`` drives.
 
-One layer of a video DiT (OpenSora / Latte family) with adaLN-Zero timestep
+One layer of a video DiT (OpenSora / Latte family) with adaLN timestep
 modulation and cross-attention to text. Shapes (``B`` batch, ``T`` frames,
 ``S`` patches, ``D`` hidden; ``_l`` a local DSP chunk; ``L_a`` the attended length)::
 
@@ -12,17 +12,28 @@ modulation and cross-attention to text. Shapes (``B`` batch, ``T`` frames,
     ->   x + gate2 * MLP(norm(x) * (1 + scale2) + shift2)
     out  [T_x * S_x, B, D]     sharded on the dim this layer does not attend along
 
-The conditioning travels the way ``TransformerBlock`` (and its full-recompute
-path, ``checkpointed_forward``) hands tensors to layers: the timestep embedding
-``c`` ``[B, D]`` in ``attention_mask`` (a DSP layer attends unmasked; NeMo's DiT
-layers use the same slot) and the projected text ``[L_text, B, D]`` in
-``context``. Geometry and the attend pattern come from the
-:class:`~dsp_plugin.megatron.config.DSPTransformerConfig`, the DSP group from
-``pg_collection.cp`` (parallel_state's CP slot).
+The global lengths ``(T, S)`` come with the tensor: the hidden states carry a
+:class:`~dsp_plugin.layout.ShardSpec` ``S(0)`` folding ``grid=(T, S)`` with
+``axis`` the sharded one (the model entry or :func:`~dsp_plugin.megatron.tokens.split_video_tokens`
+attaches it, each layer re-attaches it to its output), so frames and resolution
+may change from one batch to the next. Nothing is read from the config.
 
-Refused with a clear error: RoPE (positions along the attended dim would need the
-full index, use ``dsp_sincos_positions``), masks, packed sequences, Megatron-SP,
-and configs with ``context_parallel_size != 1``.
+The conditioning travels the way ``TransformerBlock`` (and its full-recompute
+path, ``checkpointed_forward``) hands tensors to layers:
+
+- ``attention_mask``: the timestep embedding ``c [B, D]`` (a DSP layer's self-attention
+  is unmasked; NeMo's DiT layers use the same slot), or with adaLN-single the
+  model's ``t_block`` output ``[B, 6D]``;
+- ``context`` the projected text ``[L_text, B, D]`` and ``context_mask`` its key
+  padding ``[B, 1, 1, L_text]`` (True: padding, Megatron's convention);
+- ``rotary_pos_emb``: with ``position_embedding_type="rope"`` the pair
+  ``(temporal, spatial)`` of rotary tables ``[L, 1, 1, head_dim]`` (or None) over
+  the *global* frame and patch indices (:func:`~dsp_plugin.megatron.tokens.video_rope`);
+  the attended dim is never sharded, so Megatron's own ``apply_rotary_pos_emb``
+  rotates every local token by its global position.
+
+Refused with a clear error: packed sequences, attention biases, Megatron-SP, and
+configs with ``context_parallel_size != 1``.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ from megatron.core.utils import get_pg_rank
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
+from dsp_plugin import layout
 from dsp_plugin.comm import dynamic_switch
 from dsp_plugin.megatron.recompute import SwitchReplayCache, first_layer_of_a_chunk
 from dsp_plugin.megatron.config import (
@@ -46,9 +58,11 @@ from dsp_plugin.megatron.config import (
     attend_dim,
     input_shard_dim,
     local_grid,
+    output_shard_dim,
+    rope_dims,
 )
 
-__all__ = ["DSPSpatialTemporalLayer", "sincos_positions"]
+__all__ = ["DSPSpatialTemporalLayer", "attach_video_grid", "sincos_positions", "video_grid"]
 
 
 def sincos_positions(length: int, dim: int, *, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -60,13 +74,33 @@ def sincos_positions(length: int, dim: int, *, device: torch.device, dtype: torc
     return torch.cat([torch.sin(pos * freq), torch.cos(pos * freq)], dim=1).to(dtype)
 
 
+def attach_video_grid(tokens: torch.Tensor, grid: tuple[int, int], shard_dim: int) -> torch.Tensor:
+    """Tag ``[T_x * S_x, B, D]`` as the shard on ``shard_dim`` (1: T, 2: S) of the global ``grid = (T, S)``."""
+    frames, patches = grid
+    return layout.attach(tokens, 0, frames * patches, grid=(frames, patches), axis=shard_dim - FRAME_DIM)
+
+
+def video_grid(tokens: torch.Tensor, where: str) -> tuple[tuple[int, int], int]:
+    """``((T, S), shard_dim)`` from the tag of Megatron-layout hidden states; a clear error without one."""
+    spec = layout.shard_spec(tokens)
+    if spec is None or spec.dim != 0 or len(spec.grid) != 2:
+        raise ValueError(f"{where}: the hidden states [T_x * S_x, B, D] {tuple(tokens.shape)} carry no video "
+                         f"shard tag (got {spec}); build them with split_video_tokens(x) or tag them with "
+                         "attach_video_grid(hidden, (T, S), shard_dim): the global frames and patches travel "
+                         "with the tensor, not the config")
+    return (spec.grid[0], spec.grid[1]), FRAME_DIM + spec.axis
+
+
 class DSPSpatialTemporalLayer(TransformerLayer):
     """A ``TransformerLayer`` that attends along one video dim and keeps the other DSP-sharded.
 
     Built from a ``ModuleSpec`` (``dsp_plugin.megatron.layers.dsp_layer_spec``);
     its submodules are Megatron's own (``SelfAttention``, ``CrossAttention``,
-    ``MLP``, norms). The adaLN modulation ``SiLU -> Linear(D, 6D)`` is replicated
-    over TP and zero-initialised (adaLN-Zero) when the config initialises weights.
+    ``MLP``, norms; q/k norms only with ``config.qk_layernorm``). The adaLN
+    modulation ``SiLU -> Linear(D, 6D)`` is replicated over TP and
+    zero-initialised (adaLN-Zero) when the config initialises weights; with
+    ``dsp_adaln_single`` it is a learned ``scale_shift_table [6, D]`` added to the
+    model's shared modulation (PixArt).
     """
 
     def __init__(self, config: DSPTransformerConfig, submodules: Any, layer_number: int = 1,
@@ -78,18 +112,27 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         if config.sequence_parallel:
             raise ValueError("DSPSpatialTemporalLayer: Megatron sequence parallelism (--sequence-parallel) is not "
                              "supported inside DSP layers; DSP already shards the sequence")
-        super().__init__(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage, **kwargs)
+        super().__init__(config, _without_disabled_qk_norms(submodules, config), layer_number, hidden_dropout,
+                         pg_collection, vp_stage, **kwargs)
         hidden = config.hidden_size
-        self.adaln_modulation = nn.Linear(hidden, 6 * hidden, dtype=config.params_dtype,
-                                          device="cpu" if config.use_cpu_initialization else None)
-        if config.perform_initialization:  # adaLN-Zero: every block starts as the identity
-            nn.init.zeros_(self.adaln_modulation.weight)
-            nn.init.zeros_(self.adaln_modulation.bias)
+        device = "cpu" if config.use_cpu_initialization else None
+        if config.dsp_adaln_single:
+            self.scale_shift_table = nn.Parameter(torch.empty(6, hidden, dtype=config.params_dtype, device=device))
+            if config.perform_initialization:  # as PixArt: randn / sqrt(D)
+                nn.init.normal_(self.scale_shift_table, std=hidden**-0.5)
+        else:
+            self.adaln_modulation = nn.Linear(hidden, 6 * hidden, dtype=config.params_dtype, device=device)
+            if config.perform_initialization:  # adaLN-Zero: every block starts as the identity
+                nn.init.zeros_(self.adaln_modulation.weight)
+                nn.init.zeros_(self.adaln_modulation.bias)
         self.attend_dim = attend_dim(config, self.layer_number)
         self.input_shard_dim = input_shard_dim(config, self.layer_number)
+        self.output_shard_dim = output_shard_dim(config, self.layer_number)
+        self.rope = self.attend_dim in rope_dims(config)
         pattern = config.dsp_attend_pattern
         first = [ATTEND[p] for p in pattern].index(self.attend_dim) + 1
-        self.add_positions = config.dsp_sincos_positions and self.layer_number == first
+        self.add_positions = (config.dsp_sincos_positions and config.position_embedding_type != "none"
+                              and not self.rope and self.layer_number == first)
         stage_offset = get_transformer_layer_offset(config, vp_stage, get_pg_rank(self.pg_collection.pp))
         self.switch_cache = (SwitchReplayCache()
                              if first_layer_of_a_chunk(config, self.layer_number - 1 - stage_offset) else None)
@@ -100,15 +143,14 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         group = self.pg_collection.cp
         return group, group.size(), group.rank()
 
-    def _to_grid(self, tokens: torch.Tensor, shard_dim: int) -> torch.Tensor:
-        """``[T_x * S_x, B, D] -> [B, T_x, S_x, D]`` (T_x, S_x from the config and the shard)."""
+    def _to_grid(self, tokens: torch.Tensor, grid: tuple[int, int], shard_dim: int) -> torch.Tensor:
+        """``[T_x * S_x, B, D] -> [B, T_x, S_x, D]`` (T_x, S_x from the global grid and the shard)."""
         _, n, rank = self._dsp()
-        frames, patches = local_grid(self.config, shard_dim, n, rank)
+        frames, patches = local_grid(grid, shard_dim, n, rank)
         if tokens.shape[0] != frames * patches:
             raise ValueError(f"{type(self).__name__} {self.layer_number}: got {tokens.shape[0]} local tokens, "
-                             f"expected {frames} frames x {patches} patches sharded on dim {shard_dim} over "
-                             f"{n} DSP ranks (config dsp_frames={self.config.dsp_frames}, "
-                             f"dsp_patches={self.config.dsp_patches})")
+                             f"expected {frames} frames x {patches} patches: the shard on dim {shard_dim} of "
+                             f"{grid[0]} frames x {grid[1]} patches over {n} DSP ranks")
         return tokens.view(frames, patches, tokens.shape[1], tokens.shape[2]).permute(2, 0, 1, 3)
 
     @staticmethod
@@ -140,52 +182,113 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         """``hidden_states [T_x*S_x, B, D]``, ``attention_mask`` = timestep embedding ``[B, D]``,
         ``context`` = text ``[L_text, B, D]`` or None -> ``(hidden_states, context)``."""
         name = f"{type(self).__name__} {self.layer_number}"
-        if rotary_pos_emb is not None or rotary_pos_cos is not None or rotary_pos_cos_sin is not None:
-            raise ValueError(f"{name}: rotary position embeddings are not supported under DSP (Megatron slices "
-                             "them by context-parallel rank, which is not the DSP shard); use "
-                             "dsp_sincos_positions or a positional table sliced by the shard")
-        if packed_seq_params is not None or attention_bias is not None or context_mask is not None \
-                or inference_context is not None:
-            raise ValueError(f"{name}: packed sequences, attention biases, context masks and inference "
-                             "contexts are not supported")
+        if rotary_pos_cos is not None or rotary_pos_sin is not None or rotary_pos_cos_sin is not None:
+            raise ValueError(f"{name}: precomputed rotary cos/sin (flash decoding) are not supported; pass the "
+                             "rotary tables in rotary_pos_emb (tokens.video_rope)")
+        if packed_seq_params is not None or attention_bias is not None or inference_context is not None:
+            raise ValueError(f"{name}: packed sequences, attention biases and inference contexts are not "
+                             "supported")
+        width = (6 if self.config.dsp_adaln_single else 1) * hidden_states.shape[2]
         cond = attention_mask
-        if cond is None or cond.dim() != 2 or cond.shape != (hidden_states.shape[1], hidden_states.shape[2]):
-            raise ValueError(f"{name}: attention_mask must carry the timestep embedding [B, D] = "
-                             f"[{hidden_states.shape[1]}, {hidden_states.shape[2]}], got "
-                             f"{None if cond is None else tuple(cond.shape)}")
+        if cond is None or cond.dim() != 2 or cond.shape != (hidden_states.shape[1], width):
+            what = "adaLN-single modulation [B, 6D]" if self.config.dsp_adaln_single else "timestep embedding [B, D]"
+            raise ValueError(f"{name}: attention_mask must carry the {what} = [{hidden_states.shape[1]}, {width}], "
+                             f"got {None if cond is None else tuple(cond.shape)}")
+        grid, shard = video_grid(hidden_states, name)
+        cache = self.switch_cache if self.training else None  # first layer of a full-recompute chunk
+        if cache is not None:  # the checkpoint recomputes on a detached copy: keep this tagged object alive
+            cache.hold(attach_video_grid(hidden_states, grid, shard))
+        if shard != self.input_shard_dim:
+            raise ValueError(f"{name}: the hidden states are sharded on dim {shard}, but with the attend pattern "
+                             f"{self.config.dsp_attend_pattern} this layer receives dim {self.input_shard_dim}")
+        rope = self._rotary_table(rotary_pos_emb, grid, name)
         group, _, _ = self._dsp()
-        x = self._to_grid(hidden_states, self.input_shard_dim)
+        x = self._to_grid(hidden_states, grid, self.input_shard_dim)
         if self.input_shard_dim == self.attend_dim:  # S(attend) -> S(other): one all-to-all
-            cur, tgt = self.attend_dim, FRAME_DIM + PATCH_DIM - self.attend_dim
-            full = {FRAME_DIM: self.config.dsp_frames, PATCH_DIM: self.config.dsp_patches}
-            if self.training and self.switch_cache is not None:  # full recompute: never replay the switch
-                x = self.switch_cache.switch(hidden_states, x, cur, tgt, group=group, cur_full=full[cur],
-                                             tgt_full=full[tgt])
+            cur, tgt = self.attend_dim, self.output_shard_dim
+            if cache is not None:  # full recompute: never replay the switch
+                x = cache.switch(hidden_states, x, cur, tgt, group=group, cur_full=grid[cur - 1],
+                                 tgt_full=grid[tgt - 1])
             else:
-                x = dynamic_switch(x, cur, tgt, group=group, global_len=full[cur])
+                x = dynamic_switch(x, cur, tgt, group=group, global_len=grid[cur - 1])
+        elif cache is not None:
+            cache.release(hidden_states)
         if self.add_positions:  # along the attended dim, which is never sharded: global positions
             length = x.shape[self.attend_dim]
             pos = sincos_positions(length, x.shape[-1], device=x.device, dtype=x.dtype)
             x = x + (pos[None, :, None] if self.attend_dim == FRAME_DIM else pos[None, None])
-        shift1, scale1, gate1, shift2, scale2, gate2 = (
-            m[:, None, None] for m in self.adaln_modulation(nn.functional.silu(cond)).chunk(6, dim=-1))
+        if self.config.dsp_adaln_single:  # PixArt: the layer's table plus the shared t_block output
+            mods = (self.scale_shift_table[None] + cond.view(cond.shape[0], 6, -1)).unbind(1)
+        else:
+            mods = self.adaln_modulation(nn.functional.silu(cond)).chunk(6, dim=-1)
+        shift1, scale1, gate1, shift2, scale2, gate2 = (m[:, None, None] for m in mods)
 
         h = self.input_layernorm(x) * (1 + scale1) + shift1
-        out, bias = self.self_attention(self._fold(h), attention_mask=None)
+        out, bias = self.self_attention(self._fold(h), attention_mask=None, rotary_pos_emb=rope)
         x = x + gate1 * self._unfold(self._bias_dropout(out, bias), x)
 
         tokens = self._to_tokens(x)  # [T_x * S_x, B, D]
         if context is not None and not isinstance(self.cross_attention, IdentityOp):
-            out, bias = self.cross_attention(self.pre_cross_attn_layernorm(tokens), attention_mask=None,
+            out, bias = self.cross_attention(self.pre_cross_attn_layernorm(tokens),
+                                             attention_mask=self._caption_mask(context_mask, context, name),
                                              key_value_states=context)
             tokens = tokens + self._bias_dropout(out, bias)
         shift2, scale2, gate2 = (m[:, :, 0].transpose(0, 1) for m in (shift2, scale2, gate2))  # [1, B, D]
         h = self.pre_mlp_layernorm(tokens) * (1 + scale2) + shift2
         out, bias = self.mlp(h)
-        return tokens + gate2 * self._bias_dropout(out, bias), context
+        out = tokens + gate2 * self._bias_dropout(out, bias)
+        return attach_video_grid(out, grid, self.output_shard_dim), context
+
+    def _rotary_table(self, rotary_pos_emb: Any, grid: tuple[int, int], name: str) -> torch.Tensor | None:
+        """This layer's table from the ``(temporal, spatial)`` pair, checked against the attended length."""
+        if not self.rope:
+            if rotary_pos_emb is not None and self.config.position_embedding_type != "rope":
+                raise ValueError(f"{name}: got rotary_pos_emb but position_embedding_type="
+                                 f"{self.config.position_embedding_type!r}; use 'rope' (--position-embedding-type "
+                                 "rope) so that the layers know to rotate q and k")
+            return None
+        if not isinstance(rotary_pos_emb, (tuple, list)) or len(rotary_pos_emb) != 2:
+            raise ValueError(f"{name}: position_embedding_type='rope' needs rotary_pos_emb = (temporal, spatial) "
+                             f"tables [L, 1, 1, head_dim] (tokens.video_rope), got {type(rotary_pos_emb).__name__}")
+        table = rotary_pos_emb[0 if self.attend_dim == FRAME_DIM else 1]
+        length = grid[self.attend_dim - 1]
+        if table is None or table.dim() != 4 or table.shape[0] != length:
+            raise ValueError(f"{name}: the rotary table for dim {self.attend_dim} must be [{length}, 1, 1, "
+                             f"head_dim] (the global length of the attended dim), got "
+                             f"{None if table is None else tuple(table.shape)}")
+        return table
+
+    def _caption_mask(self, context_mask: torch.Tensor | None, context: torch.Tensor,
+                      name: str) -> torch.Tensor | None:
+        """``[B, 1, 1, L_text]`` bool, True at padding (Megatron's convention), or None."""
+        if context_mask is None:
+            return None
+        batch, length = context.shape[1], context.shape[0]
+        if context_mask.dtype != torch.bool or context_mask.shape != (batch, 1, 1, length):
+            raise ValueError(f"{name}: context_mask must be a bool [B, 1, 1, L_text] = [{batch}, 1, 1, {length}] "
+                             f"key-padding mask (True: padding), got {context_mask.dtype} "
+                             f"{tuple(context_mask.shape)}")
+        from dsp_plugin.megatron.layers import SDPACoreAttention
+
+        if not isinstance(self.cross_attention.core_attention, SDPACoreAttention):
+            raise ValueError(f"{name}: caption masks (context_mask) are implemented for --transformer-impl local "
+                             "(SDPACoreAttention) only; Transformer Engine's padding masks are not wired yet")
+        return context_mask
 
     def _bias_dropout(self, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if bias is not None:
             out = out + bias
         return nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)
 
+
+
+def _without_disabled_qk_norms(submodules: Any, config: DSPTransformerConfig) -> Any:
+    """The spec names q/k norms; Megatron refuses them unless ``config.qk_layernorm``, so drop them then."""
+    import dataclasses
+
+    attention = getattr(submodules, "self_attention", None)
+    inner = getattr(attention, "submodules", None)
+    if config.qk_layernorm or inner is None or getattr(inner, "q_layernorm", None) is None:
+        return submodules
+    inner = dataclasses.replace(inner, q_layernorm=None, k_layernorm=None)
+    return dataclasses.replace(submodules, self_attention=dataclasses.replace(attention, submodules=inner))

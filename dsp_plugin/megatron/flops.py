@@ -38,8 +38,16 @@ def forward_flops_per_sample(*, frames: int, patches: int, channels: int, hidden
     return total
 
 
-def num_floating_point_operations(args: argparse.Namespace, batch_size: int) -> int:
-    """Megatron's ``num_floating_point_operations(args, batch_size)`` for this model (one training step)."""
+def num_floating_point_operations(args: argparse.Namespace, batch_size: int,
+                                  seqlen_squared_sum_in_batch: float | None = None,
+                                  total_real_tokens_in_batch: float | None = None) -> int:
+    """Megatron's ``num_floating_point_operations`` for this model (one training step).
+
+    Same signature as ``megatron.training.training.num_floating_point_operations``, which
+    ``train()`` and ``training_log()`` call with the packed-sequence statistics as keywords.
+    Those describe variable-length token packing (GPT); every sample here has the full
+    ``T x S`` tokens, so the count does not use them.
+    """
     text_dim = getattr(args, "text_dim", 0) or 0
     return 3 * batch_size * forward_flops_per_sample(
         frames=args.num_frames, patches=args.latent_height * args.latent_width, channels=args.latent_channels,

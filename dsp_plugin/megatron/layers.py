@@ -35,7 +35,10 @@ __all__ = ["SDPACoreAttention", "SequenceParallelTorchNorm", "dsp_layer_spec", "
 
 
 class SDPACoreAttention(MegatronModule):
-    """Core attention ``softmax(q k^T / sqrt(d)) v`` with torch's fused SDPA kernel, no mask.
+    """Core attention ``softmax(q k^T / sqrt(d)) v`` with torch's fused SDPA kernel.
+
+    ``attention_mask``: None, or a bool key-padding mask ``[b, 1, 1 | s_q, s_k]`` with
+    True at masked keys (Megatron's convention; cross-attention's caption padding).
 
     Same constructor and forward contract as megatron-core's ``DotProductAttention``:
     q, k, v ``[s, b, heads_per_tp_rank, head_dim]`` -> ``[s, b, heads_per_tp_rank * head_dim]``.
@@ -60,15 +63,19 @@ class SDPACoreAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
-        if attention_mask is not None or attention_bias is not None or packed_seq_params is not None:
-            raise ValueError("SDPACoreAttention: masks, biases and packed sequences are not supported")
+        if attention_bias is not None or packed_seq_params is not None:
+            raise ValueError("SDPACoreAttention: attention biases and packed sequences are not supported")
+        if attention_mask is not None and (attention_mask.dtype != torch.bool or attention_mask.dim() != 4):
+            raise ValueError("SDPACoreAttention: attention_mask must be a bool [b, 1, s_q | 1, s_k] mask (True: "
+                             f"masked), got {attention_mask.dtype} {tuple(attention_mask.shape)}")
         # [s, b, h, d] -> [b, h, s, d]; grouped-query heads are expanded to the query count
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if k.shape[1] != q.shape[1]:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale)
+            q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
+            dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale)
         # [b, h, s, d] -> [s, b, h * d]
         return out.permute(2, 0, 1, 3).flatten(2)
 
@@ -118,7 +125,10 @@ def dsp_layer_spec(transformer_impl: str = "local", *, cross_attention: bool = T
     (CPU and GPU). ``transformer_engine``: TE linears and ``TEDotProductAttention``
     (imported only here, GPU). Norms before attention and MLP are affine-free
     (adaLN modulates them), so no norm is fused into a linear; the norm before
-    cross-attention is a plain affine LayerNorm. Attention is unmasked.
+    cross-attention is a plain affine LayerNorm. Self-attention is unmasked;
+    cross-attention takes the caption key-padding mask (``padding``). q and k
+    norms (over each head's dims) are built when ``config.qk_layernorm`` is set:
+    torch's LayerNorm/RMSNorm (``config.normalization``) locally, ``TENorm`` with TE.
     """
     from functools import partial
 
@@ -131,19 +141,21 @@ def dsp_layer_spec(transformer_impl: str = "local", *, cross_attention: bool = T
     from megatron.core.transformer.mlp import MLP, MLPSubmodules
     from megatron.core.transformer.transformer_layer import TransformerLayerSubmodules
 
-    from dsp_plugin.megatron.dsp_layer import DSPSpatialTemporalLayer
+    from dsp_plugin.megatron.full_attention import DSPVideoLayer  # spatial/temporal, or full (head switch)
 
     if transformer_impl == "local":
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear as column
         from megatron.core.tensor_parallel.layers import RowParallelLinear as row
 
         core: Any = SDPACoreAttention
+        qk_norm: Any = SequenceParallelTorchNorm
     elif transformer_impl == "transformer_engine":
         if not te_available():
             raise RuntimeError("dsp_layer_spec: transformer_engine is not importable here (it needs CUDA); "
                                "use --transformer-impl local on CPU")
         from megatron.core.extensions.transformer_engine import TEColumnParallelLinear as column
         from megatron.core.extensions.transformer_engine import TEDotProductAttention as core
+        from megatron.core.extensions.transformer_engine import TENorm as qk_norm
         from megatron.core.extensions.transformer_engine import TERowParallelLinear as row
     else:
         raise ValueError(f"dsp_layer_spec: transformer_impl={transformer_impl!r}; expected 'local' or "
@@ -152,14 +164,16 @@ def dsp_layer_spec(transformer_impl: str = "local", *, cross_attention: bool = T
     submodules = TransformerLayerSubmodules(
         input_layernorm=non_affine_layer_norm,
         self_attention=ModuleSpec(module=SelfAttention, params=no_mask, submodules=SelfAttentionSubmodules(
-            linear_qkv=column, core_attention=core, linear_proj=row)),
+            linear_qkv=column, core_attention=core, linear_proj=row, q_layernorm=qk_norm, k_layernorm=qk_norm)),
         pre_mlp_layernorm=non_affine_layer_norm,
         mlp=partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row)),
     )
     if cross_attention:
         submodules.pre_cross_attn_layernorm = SequenceParallelTorchNorm
-        submodules.cross_attention = ModuleSpec(module=CrossAttention, params=no_mask,
+        # the caption's key padding (SDPA); TE's padding type would demand a mask on every call
+        padding = {"attn_mask_type": AttnMaskType.padding} if transformer_impl == "local" else no_mask
+        submodules.cross_attention = ModuleSpec(module=CrossAttention, params=padding,
                                                 submodules=CrossAttentionSubmodules(
                                                     linear_q=column, linear_kv=column, core_attention=core,
                                                     linear_proj=row))
-    return ModuleSpec(module=DSPSpatialTemporalLayer, submodules=submodules)
+    return ModuleSpec(module=DSPVideoLayer, submodules=submodules)

@@ -10,6 +10,15 @@ micro-batch (``N`` the DSP size)::
     -> TransformerBlock(DSPSpatialTemporalLayer x num_layers; each switches when it must)
     -> head: norm, adaLN (shift, scale from c), Linear -> [B, T_x, S_x, C] on the local shard
 
+The geometry ``(T, H, W)`` is each batch's own (buckets of frames and resolution
+change between batches without a restart): every stage reads it from the
+batch's latents, tags the hidden states it hands to the block with it
+(:func:`~dsp_plugin.megatron.dsp_layer.attach_video_grid`) and builds the RoPE
+tables from it. OpenSora 1.2's features follow Megatron's flags: RoPE
+(``--position-embedding-type rope``), q/k norms (``--qk-layernorm``), caption
+masks (``text_mask``, from the batch), and adaLN-single (``dsp_adaln_single``:
+one ``t_block`` here, a ``scale_shift_table`` per layer and in the head).
+
 ``TransformerBlock`` drives the layers, so full/selective recompute,
 ``sharded_state_dict`` with pipeline offsets, FP8 contexts and the RNG fork are
 Megatron's own. The split at the entry only touches data, and every later op is
@@ -17,10 +26,12 @@ per token or a layer on a shard, so each rank's parameter gradient is the partia
 sum over its tokens; Megatron's CP loss scaling and DDP averaging over DP x CP
 make that SUM over DSP, MEAN over DP (``steps.loss_func``).
 
-Pipeline: every stage needs ``c`` and the text. A non-last stage sends
-``cat([hidden [n, B, D], c [1, B, D], text [L, B, D]])`` as its one
-``[s, B, D]`` tensor and the next stage slices it (gradients flow back through
-the same p2p path); ``variable_seq_lengths`` carries the uneven DSP shards.
+Pipeline: every stage needs the conditioning and the text. A non-last stage sends
+``cat([hidden [n, B, D], c [1, B, D], (t_block output [6, B, D]), text [L, B, D]])``
+as its one ``[s, B, D]`` tensor and the next stage slices it (gradients flow back
+through the same p2p path); ``variable_seq_lengths`` carries the uneven DSP shards
+and the changing buckets. The caption mask and the geometry come from each
+stage's own batch.
 """
 
 from __future__ import annotations
@@ -39,9 +50,12 @@ from dsp_plugin.comm import split
 from dsp_plugin.megatron.config import (
     DSPTransformerConfig,
     entry_shard_dim,
+    input_shard_dim,
     local_grid,
     output_shard_dim,
 )
+from dsp_plugin.megatron.dsp_layer import attach_video_grid
+from dsp_plugin.megatron.tokens import video_rope
 
 __all__ = ["STDiTMegatron", "VideoShape", "timestep_features"]
 
@@ -50,7 +64,10 @@ FREQ_DIM = 256  # timestep features, as the reference's TimestepEmbedder
 
 @dataclass(frozen=True)
 class VideoShape:
-    """Latent video geometry of one sample: channels, frames, height, width (patch size 1)."""
+    """Latent video geometry of one sample: channels, frames, height, width (patch size 1).
+
+    The model fixes only ``channels``; frames, height and width are each batch's own.
+    """
 
     channels: int
     frames: int
@@ -83,10 +100,6 @@ class STDiTMegatron(MegatronModule):
         super().__init__(config=config)
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        if (config.dsp_frames, config.dsp_patches) != (video.frames, video.patches):
-            raise ValueError(f"STDiTMegatron: config geometry (dsp_frames={config.dsp_frames}, dsp_patches="
-                             f"{config.dsp_patches}) differs from the video ({video.frames} frames, "
-                             f"{video.patches} patches)")
         self.pg_collection = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
         self.video, self.pre_process, self.post_process = video, pre_process, post_process
         self.text_dim, self.text_len = text_dim, text_len if text_dim else 0
@@ -98,11 +111,16 @@ class STDiTMegatron(MegatronModule):
             self.time_embed = nn.Sequential(nn.Linear(FREQ_DIM, hidden, dtype=dtype), nn.SiLU(),
                                             nn.Linear(hidden, hidden, dtype=dtype))
             self.text_proj = nn.Linear(text_dim, hidden, dtype=dtype) if text_dim else None
+            if config.dsp_adaln_single:  # PixArt: one modulation for every layer
+                self.t_block = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 6 * hidden, dtype=dtype))
         self.decoder = TransformerBlock(config, spec, post_layer_norm=False, pre_process=pre_process,
                                         post_process=post_process, pg_collection=self.pg_collection)
         if post_process:
             self.final_norm = nn.LayerNorm(hidden, eps=config.layernorm_epsilon, elementwise_affine=False)
-            self.final_adaln = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden, dtype=dtype))
+            if config.dsp_adaln_single:  # PixArt's final layer: a table plus the timestep embedding
+                self.final_scale_shift_table = nn.Parameter(torch.randn(2, hidden, dtype=dtype) / hidden**0.5)
+            else:
+                self.final_adaln = nn.Sequential(nn.SiLU(), nn.Linear(hidden, 2 * hidden, dtype=dtype))
             self.head = nn.Linear(hidden, video.channels, dtype=dtype)
 
     @property
@@ -115,50 +133,83 @@ class STDiTMegatron(MegatronModule):
             input_tensor = input_tensor[0]
         self.input_tensor = input_tensor
 
-    def _local_tokens(self, shard_dim: int) -> int:
+    def _local_tokens(self, grid: tuple[int, int], shard_dim: int) -> int:
         group = self.pg_collection.cp
-        frames, patches = local_grid(self.config, shard_dim, group.size(), group.rank())
+        frames, patches = local_grid(grid, shard_dim, group.size(), group.rank())
         return frames * patches
+
+    def _geometry(self, latents: torch.Tensor | None) -> tuple[int, int, int]:
+        """``(T, H, W)`` of this batch: every stage reads it from its own batch (it cannot ride the p2p)."""
+        if latents is None or latents.dim() != 5 or latents.shape[1] != self.video.channels:
+            raise ValueError(f"STDiTMegatron: every pipeline stage needs the batch's latents [B, "
+                             f"{self.video.channels}, T, H, W] for its geometry, got "
+                             f"{None if latents is None else tuple(latents.shape)}")
+        return latents.shape[2], latents.shape[3], latents.shape[4]
 
     def embed(self, latents: torch.Tensor, timestep: torch.Tensor, text: torch.Tensor | None,
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """-> hidden ``[n_local, B, D]``, ``c [B, D]``, text ``[L, B, D]`` or None (first stage)."""
+        """-> hidden ``[n_local, B, D]`` (tagged), ``c [B, D]`` (``[B, 7D]`` = ``c`` and the t_block output
+        with adaLN-single), text ``[L, B, D]`` or None (first stage)."""
         batch, channels, frames, height, width = latents.shape
-        if (channels, frames, height * width) != (self.video.channels, self.video.frames, self.video.patches):
-            raise ValueError(f"STDiTMegatron: latents {tuple(latents.shape)} do not match the video geometry "
-                             f"{self.video}")
         tokens = latents.permute(0, 2, 3, 4, 1).reshape(batch, frames, height * width, channels)
         # data: no gradient flows back; the tokens become [B, T_x, S_x, C] on this DSP rank
-        tokens = split(tokens, entry_shard_dim(self.config), group=self.pg_collection.cp)
+        shard = entry_shard_dim(self.config)
+        tokens = split(tokens, shard, group=self.pg_collection.cp)
         x = self.patch_embed(tokens.to(self.patch_embed.weight.dtype))
         hidden = x.permute(1, 2, 0, 3).reshape(-1, batch, x.shape[-1])  # [B, T_x, S_x, D] -> [T_x*S_x, B, D]
         weight = self.time_embed[0].weight
         cond = self.time_embed(timestep_features(timestep, FREQ_DIM).to(weight.dtype))
+        if self.config.dsp_adaln_single:
+            cond = torch.cat([cond, self.t_block(cond)], dim=-1)
         if self.text_proj is not None:
             if text is None:
                 raise ValueError("STDiTMegatron: the model has cross-attention (text_dim="
                                  f"{self.text_dim}) but no text was given")
             text = self.text_proj(text.to(self.text_proj.weight.dtype)).transpose(0, 1)  # [B, L, D] -> [L, B, D]
-        return hidden, cond, text
+        return attach_video_grid(hidden, (frames, height * width), shard), cond, text
 
     def forward(self, latents: torch.Tensor | None, timestep: torch.Tensor | None,
-                text: torch.Tensor | None = None) -> torch.Tensor:
-        """Last stage: ``[B, T_x, S_x, C]`` on the local shard; other stages the packed activation."""
+                text: torch.Tensor | None = None, text_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Last stage: ``[B, T_x, S_x, C]`` on the local shard; other stages the packed activation.
+
+        ``text_mask [B, L]`` bool (True: a caption token) masks the caption's padding in cross-attention.
+        Every stage gets the batch's ``latents`` (for the geometry) and ``text_mask``.
+        """
+        frames, height, width = self._geometry(latents)
+        grid = (frames, height * width)
+        hidden_size = self.config.hidden_size
+        cond_rows = 7 if self.config.dsp_adaln_single else 1
         if self.pre_process:
             hidden, cond, text = self.embed(latents, timestep, text)
         else:
             packed = self.input_tensor
-            n = self._local_tokens(output_shard_dim(self.config, self.layer_offset))
-            hidden, cond = packed[:n], packed[n]
-            text = packed[n + 1:] if self.text_len else None
+            shard = input_shard_dim(self.config, self.layer_offset + 1)
+            n = self._local_tokens(grid, shard)
+            hidden = attach_video_grid(packed[:n], grid, shard)
+            cond = packed[n:n + cond_rows].transpose(0, 1).reshape(packed.shape[1], cond_rows * hidden_size)
+            text = packed[n + cond_rows:] if self.text_len else None
             self.decoder.set_input_tensor(hidden)
-        out = self.decoder(hidden_states=hidden, attention_mask=cond, context=text)
+        context_mask = None
+        if text_mask is not None and text is not None:
+            if text_mask.shape != (text.shape[1], text.shape[0]):
+                raise ValueError(f"STDiTMegatron: text_mask {tuple(text_mask.shape)} must be [B, L] = "
+                                 f"[{text.shape[1]}, {text.shape[0]}]")
+            context_mask = ~text_mask.to(device=text.device, dtype=torch.bool)[:, None, None, :]
+        layer_cond = cond[:, hidden_size:] if self.config.dsp_adaln_single else cond
+        out = self.decoder(hidden_states=hidden, attention_mask=layer_cond, context=text,
+                           context_mask=context_mask,
+                           rotary_pos_emb=video_rope(self.config, frames, height, width, device=hidden.device))
         if not self.post_process:
-            parts = [out, cond[None]] + ([text] if text is not None else [])
+            rows = cond.view(cond.shape[0], cond_rows, hidden_size).transpose(0, 1)  # [rows, B, D]
+            parts = [out, rows] + ([text] if text is not None else [])
             return torch.cat(parts, dim=0)
         shard = output_shard_dim(self.config, self.config.num_layers)
-        group = self.pg_collection.cp
-        frames, patches = local_grid(self.config, shard, group.size(), group.rank())
-        x = out.view(frames, patches, out.shape[1], out.shape[2]).permute(2, 0, 1, 3)  # -> [B, T_x, S_x, D]
-        shift, scale = (m[:, None, None] for m in self.final_adaln(cond).chunk(2, dim=-1))
+        frames_l, patches_l = local_grid(grid, shard, self.pg_collection.cp.size(), self.pg_collection.cp.rank())
+        x = out.view(frames_l, patches_l, out.shape[1], out.shape[2]).permute(2, 0, 1, 3)  # -> [B, T_x, S_x, D]
+        c = cond[:, :hidden_size]
+        if self.config.dsp_adaln_single:
+            mods = (self.final_scale_shift_table[None] + c[:, None]).unbind(1)
+        else:
+            mods = self.final_adaln(c).chunk(2, dim=-1)
+        shift, scale = (m[:, None, None] for m in mods)
         return self.head(self.final_norm(x) * (1 + scale) + shift)

@@ -18,6 +18,12 @@ that input, so storage cannot be reused by another tensor while it waits: a hit
 is always the switch of the same data. Entries are consumed by the recompute.
 With ``distribute_saved_activations`` (the checkpoint splits and re-gathers its
 input) the cache is off and the switch is replayed.
+
+The same entry keeps the chunk input's *Python object* alive until the
+recompute, for every first layer of a chunk (switching or not): the checkpoint
+saves only the tensor data and recomputes on a detached copy, and the copy finds
+the input's :class:`~dsp_plugin.layout.ShardSpec` (the global frames and
+patches) through the live original (``layout.shard_spec``'s alias lookup).
 """
 
 from __future__ import annotations
@@ -72,16 +78,28 @@ class SwitchReplayCache:
     def __init__(self) -> None:
         self._pending: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def hold(self, chunk_input: torch.Tensor) -> None:
+        """First run of a checkpointed chunk (no grad): keep the tagged input alive for its recompute."""
+        if torch.is_grad_enabled():
+            return
+        if len(self._pending) >= _MAX_PENDING:
+            self._pending.pop(next(iter(self._pending)))
+        self._pending[_key(chunk_input)] = (chunk_input, None)
+
+    def release(self, chunk_input: torch.Tensor) -> None:
+        """The recompute of a layer that does not switch: drop its entry."""
+        if torch.is_grad_enabled():
+            self._pending.pop(_key(chunk_input), None)
+
     def switch(self, chunk_input: torch.Tensor, x: torch.Tensor, cur: int, tgt: int, *, group: Any,
                cur_full: int, tgt_full: int) -> torch.Tensor:
         """``dynamic_switch(x, cur, tgt)``, issued once per micro-batch under full recompute."""
         if not torch.is_grad_enabled():  # first run of a checkpointed chunk: keep the result
             out = dynamic_switch(x, cur, tgt, group=group, global_len=cur_full)
-            if len(self._pending) >= _MAX_PENDING:
-                self._pending.pop(next(iter(self._pending)))
+            self.hold(chunk_input)
             self._pending[_key(chunk_input)] = (chunk_input, out)
             return out
         entry = self._pending.pop(_key(chunk_input), None)
-        if entry is None:  # not a recompute of a kept run: switch as usual
+        if entry is None or entry[1] is None:  # not a recompute of a kept run: switch as usual
             return dynamic_switch(x, cur, tgt, group=group, global_len=cur_full)
         return _ReusedSwitch.apply(x, entry[1], cur, tgt, group, tgt_full)

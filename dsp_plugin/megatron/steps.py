@@ -39,12 +39,23 @@ class SyntheticVideoDataset(torch.utils.data.Dataset):
     predict), both ``[C, T, H, W]``, an integer diffusion ``timestep`` (an integer,
     so ``Float16Module`` does not round it to bf16) and, with ``text_dim``, a
     ``text`` embedding ``[text_len, text_dim]``. No downloads.
+
+    ``varying_captions``: each caption has its own length in ``[1, text_len]`` and the
+    item gets ``text_mask [text_len]`` (True: a caption token; the rest is padding).
+    ``buckets``: ``(frames, height, width)`` per bucket; samples ``[k * bucket_size,
+    (k + 1) * bucket_size)`` take bucket ``k % len(buckets)`` (with ``bucket_size`` the
+    global batch, every batch is one bucket and the next one changes it).
     """
 
     def __init__(self, video: VideoShape, num_samples: int, *, seed: int = 1234, text_dim: int | None = None,
-                 text_len: int = 4) -> None:
+                 text_len: int = 4, varying_captions: bool = False,
+                 buckets: tuple[tuple[int, int, int], ...] = (), bucket_size: int = 1) -> None:
         self.video, self.num_samples, self.seed = video, num_samples, seed
-        self.text_dim, self.text_len = text_dim, text_len
+        self.text_dim, self.text_len, self.varying_captions = text_dim, text_len, varying_captions
+        self.buckets, self.bucket_size = tuple(tuple(b) for b in buckets), bucket_size
+        if any(len(b) != 3 or min(b) < 1 for b in self.buckets) or bucket_size < 1:
+            raise ValueError(f"SyntheticVideoDataset: buckets={buckets!r} must be (frames, height, width) "
+                             f"triples of positive ints and bucket_size={bucket_size} positive")
 
     def __len__(self) -> int:
         return self.num_samples
@@ -52,6 +63,9 @@ class SyntheticVideoDataset(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.seed * 100_003 + index)
         v = self.video
+        if self.buckets:
+            frames, height, width = self.buckets[(index // self.bucket_size) % len(self.buckets)]
+            v = VideoShape(v.channels, frames, height, width)
         clean = torch.randn(v.channels, v.frames, v.height, v.width, generator=gen)
         noise = torch.randn(v.channels, v.frames, v.height, v.width, generator=gen)
         timestep = torch.randint(0, 1000, (), generator=gen)
@@ -59,12 +73,15 @@ class SyntheticVideoDataset(torch.utils.data.Dataset):
         item = {"latents": alpha * clean + (1 - alpha**2).sqrt() * noise, "target": noise, "timestep": timestep}
         if self.text_dim:
             item["text"] = torch.randn(self.text_len, self.text_dim, generator=gen)
+            if self.varying_captions:
+                length = int(torch.randint(1, self.text_len + 1, (), generator=gen))
+                item["text_mask"] = torch.arange(self.text_len) < length
         return item
 
 
 def dsp_config(video: VideoShape, **transformer_config: Any) -> DSPTransformerConfig:
     """A ``DSPTransformerConfig`` for ``video`` (what ``model_provider`` builds from the arguments)."""
-    return DSPTransformerConfig(dsp_frames=video.frames, dsp_patches=video.patches, **transformer_config)
+    return DSPTransformerConfig(**transformer_config)  # the geometry is each batch's own, not the config's
 
 
 def reference_weights(config: DSPTransformerConfig, video: VideoShape, text_dim: int | None,
@@ -75,18 +92,24 @@ def reference_weights(config: DSPTransformerConfig, video: VideoShape, text_dim:
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return STDiT(reference_config(config, video.channels, text_dim)).state_dict()
+        return STDiT(reference_config(config, video.channels, text_dim, weights_only=True)).state_dict()
 
 
 def build_model(config: DSPTransformerConfig, video: VideoShape, *, transformer_impl: str = "local",
                 text_dim: int | None = None, text_len: int = 0, pre_process: bool = True,
                 post_process: bool = True, seed: int | None = None, pg_collection: Any = None) -> STDiTMegatron:
-    """One pipeline stage; with ``seed``, the weights of the reference ``STDiT`` drawn with that seed."""
-    from dsp_plugin.megatron.weights import load_reference_weights
+    """One pipeline stage; with ``seed``, the weights of the reference ``STDiT`` drawn with that seed.
 
-    model = STDiTMegatron(config, dsp_layer_spec(transformer_impl, cross_attention=bool(text_dim)), video,
-                          text_dim=text_dim, text_len=text_len, pre_process=pre_process,
-                          post_process=post_process, pg_collection=pg_collection)
+    The model's own modules (embeddings, adaLN, head) are created where megatron-core creates its
+    layers' parameters (``weights.parameter_device``: the current CUDA device unless
+    ``use_cpu_initialization``), not on the CPU beside TE parameters on the GPU.
+    """
+    from dsp_plugin.megatron.weights import load_reference_weights, parameter_device
+
+    with torch.device(parameter_device(config)):
+        model = STDiTMegatron(config, dsp_layer_spec(transformer_impl, cross_attention=bool(text_dim)), video,
+                              text_dim=text_dim, text_len=text_len, pre_process=pre_process,
+                              post_process=post_process, pg_collection=pg_collection)
     model.model_type = ModelType.encoder_or_decoder  # what megatron.training's get_model sets
     if seed is not None:
         load_reference_weights(model, reference_weights(config, video, text_dim, seed))
@@ -113,7 +136,8 @@ def forward_step(data_iterator: Any, model: torch.nn.Module) -> tuple[torch.Tens
     device = next(model.parameters()).device
     latents, target = batch["latents"].to(device), batch["target"].to(device)
     text = batch["text"].to(device) if "text" in batch else None
-    output = model(latents, batch["timestep"].to(device), text)
+    text_mask = batch["text_mask"].to(device) if "text_mask" in batch else None
+    output = model(latents, batch["timestep"].to(device), text, text_mask)
     config = _unwrap(model).config
     return output, partial(loss_func, target, config.num_layers, config)
 
@@ -136,10 +160,46 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     group.add_argument("--latent-width", type=int, default=4, help="latent patches along W")
     group.add_argument("--text-dim", type=int, default=16, help="text embedding width; 0: no cross-attention")
     group.add_argument("--text-len", type=int, default=4, help="text tokens per sample")
+    group.add_argument("--dsp-attend-pattern", type=_attend_pattern, default=("spatial", "temporal"),
+                       help="layer kinds, repeated over the layers: spatial, temporal, or full (every token, "
+                            "through the head switch), e.g. spatial,temporal,full")
+    group.add_argument("--varying-captions", action="store_true",
+                       help="captions of varying length in [1, --text-len], masked in cross-attention")
+    group.add_argument("--video-buckets", type=str, default=None,
+                       help="'T,H,W;T,H,W;...': latent geometry per bucket; each global batch takes the next "
+                            "bucket (frames and resolution change between batches, no restart)")
+    group.add_argument("--adaln-single", action="store_true", dest="dsp_adaln_single",
+                       help="PixArt / OpenSora adaLN-single instead of a per-layer adaLN linear")
+    group.add_argument("--spatial-rope", action="store_true", dest="dsp_spatial_rope",
+                       help="with --position-embedding-type rope: 2-D RoPE in spatial layers too")
     group.add_argument("--init-seed", type=int, default=None,
                        help="initialise weights from the plain-torch reference STDiT drawn with this seed "
                             "(independent of TP/DSP/PP: comparable loss curves)")
     return parser
+
+
+def _attend_pattern(text: str) -> tuple[str, ...]:
+    from dsp_plugin.megatron.config import ATTEND
+
+    kinds = tuple(kind.strip() for kind in text.split(","))
+    if not all(kind in ATTEND for kind in kinds):
+        raise argparse.ArgumentTypeError(f"--dsp-attend-pattern {text!r}: expected comma-separated kinds of "
+                                         f"{sorted(ATTEND)}")
+    return kinds
+
+
+def video_buckets_from_args(args: argparse.Namespace) -> tuple[tuple[int, int, int], ...]:
+    """``--video-buckets 'T,H,W;...'`` -> ``((T, H, W), ...)``; empty without the flag."""
+    spec = getattr(args, "video_buckets", None)
+    if not spec:
+        return ()
+    try:
+        buckets = tuple(tuple(int(v) for v in part.split(",")) for part in spec.split(";") if part.strip())
+    except ValueError:
+        buckets = ()
+    if not buckets or any(len(b) != 3 or min(b) < 1 for b in buckets):
+        raise ValueError(f"--video-buckets {spec!r}: expected 'T,H,W;T,H,W;...' with positive integers")
+    return buckets
 
 
 def video_shape_from_args(args: argparse.Namespace) -> VideoShape:
@@ -159,10 +219,8 @@ def model_config_from_args(args: argparse.Namespace) -> DSPTransformerConfig:
     """
     from megatron.training.argument_utils import core_transformer_config_from_args
 
-    video = video_shape_from_args(args)
     saved = args.context_parallel_size
     args.context_parallel_size = 1
-    args.dsp_frames, args.dsp_patches = video.frames, video.patches
     try:
         config = core_transformer_config_from_args(args, config_class=DSPTransformerConfig)
     finally:
@@ -170,7 +228,7 @@ def model_config_from_args(args: argparse.Namespace) -> DSPTransformerConfig:
     if config.activation_func is torch.nn.functional.gelu:  # Megatron's default: use the DiT's GELU
         config.activation_func = gelu_tanh
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        config.variable_seq_lengths = True  # uneven shards: let Megatron exchange p2p shapes
+        config.variable_seq_lengths = True  # uneven shards and buckets: let Megatron exchange p2p shapes
     return config
 
 

@@ -1,17 +1,21 @@
 """Entry and exit of a DSP layer stack in a user's own megatron-core model.
 
 A model that drives :class:`~dsp_plugin.megatron.dsp_layer.DSPSpatialTemporalLayer`s
-through a ``TransformerBlock`` needs three things around the block:
+through a ``TransformerBlock`` needs, around the block:
 
 - :func:`split_video_tokens`: ``[B, T, S, D]`` replicated -> this rank's
-  ``[T_x * S_x, B, D]`` (Megatron's layout), sharded where layer 1 wants it;
+  ``[T_x * S_x, B, D]`` (Megatron's layout), sharded where layer 1 wants it and
+  tagged with its global ``(T, S)`` (a :class:`~dsp_plugin.layout.ShardSpec`):
+  frames and resolution may differ from batch to batch;
 - :func:`gather_video_tokens`: the block's output -> ``[B, T, S, D]`` on every rank
   (or keep it sharded and compute a per-token loss on the shard, as ``steps.loss_func`` does);
+- :func:`video_rope`: with ``position_embedding_type="rope"``, the ``rotary_pos_emb``
+  pair for the block, over the global frame and patch indices;
 - :func:`require_dsp_layers`: under ``--sequence-parallel-mode dsp`` a model with no DSP
   layer would silently run as plain context parallelism; this refuses it.
 
-Positional information: a table over the *sharded* dim must be sliced by the shard
-(:func:`shard_range`); RoPE is refused by the layer.
+A learned positional table over the *sharded* dim must be sliced by the shard
+(:func:`shard_range`).
 """
 
 from __future__ import annotations
@@ -20,46 +24,82 @@ import torch
 from torch import nn
 
 from dsp_plugin.comm import chunk_sizes, gather, split
-from dsp_plugin.megatron.config import FRAME_DIM, DSPTransformerConfig, entry_shard_dim, output_shard_dim
+from dsp_plugin.megatron.config import (
+    FRAME_DIM,
+    PATCH_DIM,
+    DSPTransformerConfig,
+    entry_shard_dim,
+    output_shard_dim,
+    rope_dims,
+)
+from dsp_plugin.megatron.dsp_layer import attach_video_grid, video_grid
 
-__all__ = ["gather_video_tokens", "require_dsp_layers", "shard_range", "split_video_tokens"]
+__all__ = ["gather_video_tokens", "require_dsp_layers", "shard_range", "split_video_tokens", "video_rope"]
 
 
 def split_video_tokens(x: torch.Tensor, config: DSPTransformerConfig, *, group: object = None) -> torch.Tensor:
-    """``[B, T, S, D]`` (same on every DSP rank) -> ``[T_x * S_x, B, D]``, this rank's shard for layer 1.
-
-    The backward is a gather, so gradients reach a replicated input correctly.
-    """
-    if x.dim() != 4 or (x.shape[1], x.shape[2]) != (config.dsp_frames, config.dsp_patches):
-        raise ValueError(f"split_video_tokens: expected [B, T={config.dsp_frames}, S={config.dsp_patches}, D], "
-                         f"got {tuple(x.shape)}")
-    x = split(x, entry_shard_dim(config), group=group)
-    return x.permute(1, 2, 0, 3).reshape(-1, x.shape[0], x.shape[3])  # [B, T_x, S_x, D] -> [T_x*S_x, B, D]
+    """``[B, T, S, D]`` (same on every DSP rank) -> ``[T_x * S_x, B, D]``, this rank's shard for layer 1,
+    tagged with the global ``(T, S)``. The backward is a gather, so gradients reach a replicated input."""
+    if x.dim() != 4:
+        raise ValueError(f"split_video_tokens: expected [B, T, S, D], got {tuple(x.shape)}")
+    grid, shard = (x.shape[1], x.shape[2]), entry_shard_dim(config)
+    x = split(x, shard, group=group)
+    tokens = x.permute(1, 2, 0, 3).reshape(-1, x.shape[0], x.shape[3])  # [B, T_x, S_x, D] -> [T_x*S_x, B, D]
+    return attach_video_grid(tokens, grid, shard)
 
 
 def gather_video_tokens(tokens: torch.Tensor, config: DSPTransformerConfig, *, group: object = None,
                         after_layer: int | None = None) -> torch.Tensor:
-    """Output of layer ``after_layer`` (default: the last) ``[T_x * S_x, B, D]`` -> ``[B, T, S, D]``."""
+    """Output of layer ``after_layer`` (default: the last) ``[T_x * S_x, B, D]`` -> ``[B, T, S, D]``;
+    the global ``(T, S)`` come from the tag the layers attach."""
     from dsp_plugin.comm import group_rank, group_size
+    from dsp_plugin.megatron.config import local_grid
 
-    shard = output_shard_dim(config, config.num_layers if after_layer is None else after_layer)
-    n, rank = group_size(group), group_rank(group)
-    frames, patches = config.dsp_frames, config.dsp_patches
-    if shard == FRAME_DIM:
-        frames = chunk_sizes(frames, n)[rank]
-    else:
-        patches = chunk_sizes(patches, n)[rank]
+    grid, shard = video_grid(tokens, "gather_video_tokens")
+    expected = output_shard_dim(config, config.num_layers if after_layer is None else after_layer)
+    if shard != expected:
+        raise ValueError(f"gather_video_tokens: the tokens are sharded on dim {shard}, layer "
+                         f"{after_layer or config.num_layers} leaves dim {expected}")
+    frames, patches = local_grid(grid, shard, group_size(group), group_rank(group))
     x = tokens.view(frames, patches, tokens.shape[1], tokens.shape[2]).permute(2, 0, 1, 3)
-    full = config.dsp_frames if shard == FRAME_DIM else config.dsp_patches
-    return gather(x.contiguous(), shard, group=group, global_len=full)
+    return gather(x.contiguous(), shard, group=group, global_len=grid[shard - FRAME_DIM])
 
 
-def shard_range(config: DSPTransformerConfig, dim: int, dsp_size: int, dsp_rank: int) -> slice:
-    """The slice of dim ``dim`` (1 = T, 2 = S) that a DSP rank holds: slice positional tables with it."""
-    full = config.dsp_frames if dim == FRAME_DIM else config.dsp_patches
-    sizes = chunk_sizes(full, dsp_size)
+def shard_range(length: int, dsp_size: int, dsp_rank: int) -> slice:
+    """The slice of a sharded dim of global ``length`` that a DSP rank holds: slice positional tables with it."""
+    sizes = chunk_sizes(length, dsp_size)
     start = sum(sizes[:dsp_rank])
     return slice(start, start + sizes[dsp_rank])
+
+
+def _angles(positions: torch.Tensor, pairs: int, base: float) -> torch.Tensor:
+    inv_freq = 1.0 / base ** (torch.arange(0, 2 * pairs, 2, dtype=torch.float32, device=positions.device)
+                              / (2 * pairs))  # Megatron's RotaryEmbedding.inv_freq for dim 2 * pairs
+    return torch.outer(positions.float(), inv_freq)
+
+
+def video_rope(config: DSPTransformerConfig, frames: int, height: int, width: int, *,
+               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``rotary_pos_emb`` for a ``TransformerBlock`` of DSP layers: ``(temporal, spatial)`` tables
+    ``[L, 1, 1, head_dim]`` (Megatron's non-interleaved layout) over the **global** frame index and patch
+    ``(row, column)``, or None without RoPE. Each layer rotates its q and k by the table of the dim it
+    attends along, which is never sharded, so every local token gets its global position."""
+    dims = rope_dims(config)
+    if not dims:
+        return None
+    head_dim = config.kv_channels
+    base = float(config.rotary_base)
+
+    def table(freqs: torch.Tensor) -> torch.Tensor:
+        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
+
+    temporal = table(_angles(torch.arange(frames, device=device), head_dim // 2, base))
+    spatial = None
+    if PATCH_DIM in dims:  # 2-D: the first half of the pairs by row, the second by column
+        patch = torch.arange(height * width, device=device)
+        spatial = table(torch.cat([_angles(patch // width, head_dim // 4, base),
+                                   _angles(patch % width, head_dim // 4, base)], dim=-1))
+    return temporal, spatial
 
 
 def require_dsp_layers(model: nn.Module) -> None:

@@ -21,16 +21,31 @@ import torch
 from megatron.core import parallel_state as ps
 from torch import nn
 
-__all__ = ["global_parameter_name", "load_reference_weights", "megatron_names", "reference_config"]
+__all__ = ["global_parameter_name", "load_reference_weights", "megatron_names", "parameter_device",
+           "reference_config"]
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 _RENAMES = {
     "attn.proj": "self_attention.linear_proj", "cross.q": "cross_attention.linear_q",
     "cross.proj": "cross_attention.linear_proj", "norm_cross": "pre_cross_attn_layernorm",
     "mlp.0": "mlp.linear_fc1", "mlp.2": "mlp.linear_fc2", "adaln.1": "adaln_modulation",
+    "attn.q_norm": "self_attention.q_layernorm", "attn.k_norm": "self_attention.k_layernorm",
 }
 _TOP = {"t_embedder.mlp.0": "time_embed.0", "t_embedder.mlp.2": "time_embed.2", "text_proj": "text_proj",
-        "final_layer.adaln.1": "final_adaln.1", "final_layer.linear": "head"}
+        "final_layer.adaln.1": "final_adaln.1", "final_layer.linear": "head", "t_block.1": "t_block.1"}
+#: parameters that are not a module's weight or bias (adaLN-single's tables)
+_TABLES = {"final_layer.scale_shift_table": "final_scale_shift_table"}
+
+
+def parameter_device(config: object) -> torch.device:
+    """Where megatron-core creates a layer's parameters: the CPU under ``use_cpu_initialization``, else
+    the current CUDA device (``torch.cuda.current_device()``, which the CPU shim answers with the CPU).
+    Build a model's own modules under ``with torch.device(parameter_device(config))`` so they sit beside
+    Megatron's and TE's."""
+    if getattr(config, "use_cpu_initialization", False):
+        return torch.device("cpu")
+    device = torch.cuda.current_device()
+    return device if isinstance(device, torch.device) else torch.device("cuda", device)
 
 
 def global_parameter_name(name: str, layer_offset: int) -> str:
@@ -38,16 +53,30 @@ def global_parameter_name(name: str, layer_offset: int) -> str:
     return _LAYER.sub(lambda m: f"{m.group(1)}layers.{int(m.group(2)) + layer_offset}.", name, count=1)
 
 
-def reference_config(config: object, channels: int, text_dim: int | None) -> object:
-    """The ``STDiTConfig`` of the reference matching a ``DSPTransformerConfig``."""
+def reference_config(config: object, channels: int, text_dim: int | None, *, weights_only: bool = False) -> object:
+    """The ``STDiTConfig`` of the reference matching a ``DSPTransformerConfig``.
+
+    ``weights_only=True`` accepts any pattern of an even layer count: every layer
+    kind (spatial, temporal, full) has an ``AxialBlock``'s parameters, so the
+    alternating reference of the same depth draws the weights of any pattern (its
+    forward is the oracle of the alternating pattern only).
+    """
     from dsp_plugin.models.stdit import STDiTConfig
 
-    if config.num_layers % 2 or tuple(config.dsp_attend_pattern) != ("spatial", "temporal"):
+    alternating = tuple(config.dsp_attend_pattern) == ("spatial", "temporal")
+    if config.num_layers % 2 or not (alternating or weights_only):
         raise ValueError("reference_config: the reference alternates spatial and temporal blocks; got "
                          f"num_layers={config.num_layers}, pattern={config.dsp_attend_pattern}")
+    if not config.dsp_sincos_positions or config.position_embedding_type == "none":
+        raise ValueError("reference_config: the reference always adds sin-cos positions where RoPE does not rotate")
+    rope = config.position_embedding_type == "rope"
     return STDiTConfig(depth=config.num_layers // 2, hidden_size=config.hidden_size,
                        num_heads=config.num_attention_heads, mlp_ratio=config.ffn_hidden_size / config.hidden_size,
-                       in_channels=channels, patch_size=(1, 1, 1), text_dim=text_dim, axes=2)
+                       in_channels=channels, patch_size=(1, 1, 1), text_dim=text_dim, axes=2,
+                       temporal_rope=rope, spatial_rope=rope and config.dsp_spatial_rope,
+                       rope_base=float(config.rotary_base),
+                       qk_norm=config.normalization if config.qk_layernorm else None,
+                       adaln_single=config.dsp_adaln_single)
 
 
 def _heads(t: torch.Tensor, parts: int, heads: int) -> torch.Tensor:
@@ -59,9 +88,14 @@ def megatron_names(reference: dict[str, torch.Tensor], num_heads: int) -> dict[s
     """Reference state (or gradient) dict -> ``{global Megatron name: full tensor}``."""
     out: dict[str, torch.Tensor] = {}
     for name, value in reference.items():
-        if name.startswith("blocks."):
+        if name in _TABLES:
+            out[_TABLES[name]] = value
+        elif name.startswith("blocks."):
             _, index, rest = name.split(".", 2)
             prefix = f"decoder.layers.{index}."
+            if rest == "scale_shift_table":
+                out[prefix + rest] = value
+                continue
             module, kind = rest.rsplit(".", 1)
             if module == "attn.q":
                 continue  # with attn.kv below

@@ -1,0 +1,326 @@
+"""The head switch: full attention over a sequence-sharded activation, ``S(seq) -> S(heads) -> S(seq)``.
+
+A block whose attention mixes every token with every token (full 3D attention)
+has no sequence dim to keep sharded; the dim it does not mix is the head dim.
+So q, k and v switch from the sequence to the heads, each rank attends over the
+full sequence with its heads, and the output switches back (peers call this
+Ulysses). ``to_heads`` moves the three in ONE packed ``all_to_all_single``
+(diffusers sends them separately: 3 + 1 per attention), ``from_heads`` the
+output in one more. Shapes (any dims; ``c_r`` rank r's chunk of the sequence
+``S``, ``H`` query heads, ``h_r`` rank r's chunk of them, ``K_r`` the K/V heads
+rank r's query heads read)::
+
+    to_heads    q [.., c_r, .., H, ..]     ->  [.., S, .., h_r, ..]
+                k, v [.., c_r, .., H_kv, ..] -> [.., S, .., K_r or h_r, ..]
+    from_heads  out [.., S, .., h_r, ..]   ->  [.., c_r, .., H, ..]
+
+Both dims are cut like ``torch.tensor_split`` (the first ``L % N`` ranks hold
+one more), with uneven split sizes in the all-to-all, so nothing padded is ever
+seen: with ``H % N != 0`` the ranks hold different head counts, and with
+``N > H`` a rank holds none (its attention runs on an empty head dim).
+
+GQA / MQA (``H_kv < H`` K/V heads, query head ``i`` reading K/V head
+``i // (H / H_kv)``): each rank receives exactly the K/V heads ``K_r`` its query
+heads read, inside the same all-to-all (a K/V head several ranks need is sent
+to each of them). The result keeps the GQA rule locally: local query head ``i``
+reads local K/V head ``i // (h_r / |K_r|)`` (what ``scaled_dot_product_attention
+(enable_gqa=True)`` and ``repeat_interleave`` do); where a rank's query heads
+straddle K/V groups unevenly, its K/V heads are repeated locally, after the
+exchange, to one per query head. Elements each rank sends for K (and as many for
+V), with ``c`` its tokens and ``row`` the elements of one token's head::
+
+    this switch            c * row * sum_{j != r} |K_j|        (|K_j| <= min(h_j, H_kv))
+    K/V repeated to H      c * row * sum_{j != r} h_j           = c*row*H*(N-1)/N for even heads
+    K/V all-gathered       c * row * H_kv * (N - 1)
+
+Between the two usual strategies, all-gathering beats repeating K/V up to H
+heads when ``H_kv * (N - 1) < H * (N - 1) / N``, i.e. ``H / H_kv > N`` (counting
+the block a rank keeps too, as some papers do, the bound reads ``H / H_kv >
+N - 1``). Sending each rank only ``K_j`` is never more than either, and costs no
+second collective, so it is the one strategy used; :func:`kv_elements_sent`
+gives the three figures.
+
+Backward of each is the other (the exact adjoint: a K/V head sent to several
+ranks gets the sum of their gradients), itself differentiable, so double
+backward goes through the collectives too. The sequence length comes from
+``global_len=``, else the ``layout.ShardSpec`` tag of ``q`` (``split`` and
+``dynamic_switch`` outputs carry one), else the group; the head count of
+``from_heads`` from ``heads=``, else the group. Outputs
+are tagged: ``to_heads``' q (and k, v without GQA) as ``S(head_dim)`` of ``H``,
+``from_heads``' as ``S(seq_dim)`` of ``S``. The ranks compare fingerprints before
+the exchange, as for the other primitives (``dsp_plugin.checks``). On a group of
+size 1 both return their inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dsp_plugin import comm, layout
+from dsp_plugin.packing import chunk_sizes, offsets
+
+__all__ = ["from_heads", "head_ranges", "kv_elements_sent", "kv_head_ranges", "to_heads"]
+
+Range = tuple[int, int]  # (first head, number of heads)
+
+
+def head_ranges(heads: int, n: int) -> list[Range]:
+    """The ``tensor_split`` chunk of ``heads`` heads each of ``n`` ranks holds: ``[(first, count), ..]``."""
+    sizes = chunk_sizes(heads, n)
+    return list(zip(offsets(sizes), sizes))
+
+
+def kv_head_ranges(heads: int, kv_heads: int, n: int) -> list[Range]:
+    """The K/V heads each rank needs: those its chunk of the ``heads`` query heads reads (GQA grouping)."""
+    per_group = heads // kv_heads
+    ranges: list[Range] = []
+    for start, count in head_ranges(heads, n):
+        first, last = start // per_group, (start + count - 1) // per_group
+        ranges.append((first, last - first + 1) if count else (0, 0))
+    return ranges
+
+
+def kv_elements_sent(*, heads: int, kv_heads: int, n: int, rank: int, tokens: int, row: int = 1) -> dict[str, int]:
+    """Elements rank ``rank`` sends for K (V sends as many) under three strategies (module docstring)."""
+    needed = kv_head_ranges(heads, kv_heads, n)
+    query = head_ranges(heads, n)
+    return {
+        "this_switch": tokens * row * sum(count for j, (_, count) in enumerate(needed) if j != rank),
+        "repeat_to_heads": tokens * row * sum(count for j, (_, count) in enumerate(query) if j != rank),
+        "all_gather": tokens * row * kv_heads * (n - 1),
+    }
+
+
+def _local_kv_index(heads: int, kv_heads: int, n: int, rank: int) -> list[int] | None:
+    """For each local query head, its local K/V head; None when the plain GQA rule already gives it."""
+    (start, count), (first, kv_count) = head_ranges(heads, n)[rank], kv_head_ranges(heads, kv_heads, n)[rank]
+    index = [(start + i) // (heads // kv_heads) - first for i in range(count)]
+    if count == 0 or (count % kv_count == 0 and index == [i // (count // kv_count) for i in range(count)]):
+        return None
+    return index
+
+
+@dataclass(frozen=True, eq=False)
+class _Exchange:
+    """One head switch, fixed before the collective: dims, sequence chunks and each tensor's head ranges."""
+
+    seq_dim: int
+    head_dim: int
+    seq_sizes: tuple[int, ...]              # tokens of the sequence dim on each rank (tensor_split of S)
+    ranges: tuple[tuple[Range, ...], ...]   # per tensor: the heads each rank holds in the S(heads) placement
+    heads: tuple[int, ...]                  # per tensor: its full head count
+    group: Any
+    n: int
+    rank: int
+
+    def shape(self, t: torch.Tensor, tokens: int, heads: int) -> list[int]:
+        shape = list(t.shape)
+        shape[self.seq_dim], shape[self.head_dim] = tokens, heads
+        return shape
+
+
+def _exchange_blocks(blocks: list[list[torch.Tensor]], recv_shapes: list[list[list[int]]],
+                     ex: _Exchange) -> list[list[torch.Tensor]]:
+    """Send ``blocks[j]`` to rank ``j`` in ONE all-to-all; return rank ``i``'s blocks, shaped ``recv_shapes[i]``.
+
+    Pack: one copy per block into a flat send buffer. Unpack: views of the flat receive buffer.
+    """
+    flat = [block for row in blocks for block in row]
+    send = flat[0].new_empty(sum(block.numel() for block in flat))
+    start = 0
+    for block in flat:
+        send[start:start + block.numel()].view(block.shape).copy_(block)
+        start += block.numel()
+    recv = comm._all_to_all_flat(send, [sum(block.numel() for block in row) for row in blocks],
+                                 [sum(math.prod(shape) for shape in row) for row in recv_shapes], ex.group)
+    received, start = [], 0
+    for row in recv_shapes:
+        views = []
+        for shape in row:
+            views.append(recv[start:start + math.prod(shape)].view(shape))
+            start += math.prod(shape)
+        received.append(views)
+    return received
+
+
+def _seq_to_heads(tensors: tuple[torch.Tensor, ...], ex: _Exchange) -> tuple[torch.Tensor, ...]:
+    """Each ``[.., c_rank, .., H_t, ..] -> [.., S, .., |R_rank(t)|, ..]``, all in one all-to-all.
+
+      send block j = for each t: t.narrow(head, R_j(t))     [.., c_rank, .., |R_j(t)|, ..]  -> rank j
+      recv block i = for each t:                            [.., c_i,    .., |R_rank(t)|, ..] from rank i
+      out t        = its recv blocks concatenated along seq in rank order
+    """
+    received = _exchange_blocks(
+        [[t.narrow(ex.head_dim, *r[j]) for t, r in zip(tensors, ex.ranges)] for j in range(ex.n)],
+        [[ex.shape(t, tokens, r[ex.rank][1]) for t, r in zip(tensors, ex.ranges)] for tokens in ex.seq_sizes], ex)
+    return tuple(torch.cat([row[k] for row in received], dim=ex.seq_dim) for k in range(len(tensors)))
+
+
+def _heads_to_seq(tensors: tuple[torch.Tensor, ...], ex: _Exchange) -> tuple[torch.Tensor, ...]:
+    """The adjoint: each ``[.., S, .., |R_rank(t)|, ..] -> [.., c_rank, .., H_t, ..]`` in one all-to-all.
+
+      send block i = for each t: t.narrow(seq, c_i)         [.., c_i,    .., |R_rank(t)|, ..] -> rank i
+      recv block j = for each t:                            [.., c_rank, .., |R_j(t)|, ..]  from rank j
+      out t        = block j in heads R_j(t): concatenated where the ranges tile the heads, else summed
+    """
+    starts, mine = offsets(ex.seq_sizes), ex.seq_sizes[ex.rank]
+    received = _exchange_blocks(
+        [[t.narrow(ex.seq_dim, starts[i], ex.seq_sizes[i]) for t in tensors] for i in range(ex.n)],
+        [[ex.shape(t, mine, r[j][1]) for t, r in zip(tensors, ex.ranges)] for j in range(ex.n)], ex)
+    outputs = []
+    for k, (t, r, total) in enumerate(zip(tensors, ex.ranges, ex.heads)):
+        blocks = [row[k] for row in received]
+        held = [(first, count) for first, count in r if count]
+        if [first for first, _ in held] == offsets([count for _, count in held]):  # the ranges tile the heads
+            outputs.append(torch.cat(blocks, dim=ex.head_dim))
+            continue
+        out = t.new_zeros(ex.shape(t, mine, total))
+        for (first, count), block in zip(r, blocks):  # a head several ranks held: sum their parts
+            out.narrow(ex.head_dim, first, count).add_(block)
+        outputs.append(out)
+    return tuple(outputs)
+
+
+class _ToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ex, *tensors):  # type: ignore[override]
+        ctx.ex = ex
+        return _seq_to_heads(tensors, ex)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None, *_FromHeads.apply(ctx.ex, *grads))
+
+
+class _FromHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ex, *tensors):  # type: ignore[override]
+        ctx.ex = ex
+        return _heads_to_seq(tensors, ex)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None, *_ToHeads.apply(ctx.ex, *grads))
+
+
+def _check_qkv(q: object, k: object, v: object, seq_dim: object, head_dim: object) -> tuple[int, int, int]:
+    """(seq dim, head dim, K/V heads) of a valid call; a TypeError/ValueError naming the value otherwise."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"to_heads: {name} must be a torch.Tensor, got {type(t).__name__}")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    if not q.dim() == k.dim() == v.dim() or q.dim() < 2:
+        raise ValueError(f"to_heads: q, k, v have {q.dim()}, {k.dim()}, {v.dim()} dims; expected the same "
+                         f"number, at least 2 (a sequence dim and a head dim)")
+    seq = comm._normalize_dim("to_heads", "seq_dim", seq_dim, q.dim())
+    head = comm._normalize_dim("to_heads", "head_dim", head_dim, q.dim())
+    if seq == head:
+        raise ValueError(f"to_heads: seq_dim={seq_dim} and head_dim={head_dim} are both dim {seq}; "
+                         f"expected two different dims")
+    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
+        raise ValueError(f"to_heads: q, k, v are {q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}; "
+                         f"expected one dtype and one device")
+    heads, kv_heads = q.shape[head], k.shape[head]
+    if v.shape[head] != kv_heads or kv_heads < 1 or heads < 1 or heads % kv_heads:
+        raise ValueError(f"to_heads: q, k, v have {heads}, {kv_heads}, {v.shape[head]} heads (dim {head}); "
+                         f"expected k and v alike, with a head count >= 1 that divides q's (MHA: equal; GQA/MQA: "
+                         f"fewer)")
+    for d in range(q.dim()):
+        if d != head and (d != q.dim() - 1 or d == seq) and not q.shape[d] == k.shape[d] == v.shape[d]:
+            raise ValueError(f"to_heads: dim {d} is {q.shape[d]} in q, {k.shape[d]} in k, {v.shape[d]} in v; "
+                             f"expected the same (only the head dim {head} and the head size, the last dim, "
+                             f"may differ)")
+    spec = layout.shard_spec(q)
+    if spec is not None and spec.dim == seq and len(spec.grid) > 1:
+        raise ValueError(f"to_heads: q's dim {seq} folds the sequence axes {spec.grid} ({spec}); expected one "
+                         f"sequence axis: unflatten the dim into its grid first and pass the sharded axis as "
+                         f"seq_dim (the other axes are whole on every rank)")
+    return seq, head, kv_heads
+
+
+def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int, head_dim: int,
+             group: Any = None, global_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v sharded ``S(seq_dim)`` -> the full sequence, sharded ``S(head_dim)``: ONE packed all-to-all.
+
+    ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA): each rank gets the
+    K/V heads its query heads read (module docstring). ``global_len`` is the
+    full sequence length (default: ``q``'s tag, else asked of the group).
+    Backward: one packed all-to-all back. A size-1 group returns the inputs.
+    """
+    group, n, rank = comm._member("to_heads", group)
+    error, seq, head, kv_heads, known = None, -1, -1, 0, None
+    try:
+        seq, head, kv_heads = _check_qkv(q, k, v, seq_dim, head_dim)
+        known = comm._check_global_len("to_heads", global_len)
+        if known is None:
+            known = layout.global_len_of(q, seq)
+    except (TypeError, ValueError) as exc:
+        if n == 1:
+            raise
+        error = exc
+    if n == 1:
+        return q, k, v
+    # the fingerprint covers k and v too: q's shape followed by (K/V heads, k's and v's head size)
+    probe = q if error is not None else torch.empty((), dtype=q.dtype, device=q.device).expand(
+        *q.shape, kv_heads, k.shape[-1], v.shape[-1])
+    full = comm._agree("to_heads", probe, cur=seq, tgt=head, known_len=known, group=group, n=n, rank=rank,
+                       error=error)
+    heads = q.shape[head]
+    q_ranges, kv_ranges = tuple(head_ranges(heads, n)), tuple(kv_head_ranges(heads, kv_heads, n))
+    ex = _Exchange(seq, head, tuple(chunk_sizes(full, n)), (q_ranges, kv_ranges, kv_ranges),
+                   (heads, kv_heads, kv_heads), group, n, rank)
+    q_out, k_out, v_out = _ToHeads.apply(ex, q, k, v)
+    index = _local_kv_index(heads, kv_heads, n, rank)
+    if index is not None:  # this rank's query heads straddle K/V groups: one K/V head per query head
+        positions = torch.tensor(index, device=k_out.device)
+        k_out, v_out = k_out.index_select(head, positions), v_out.index_select(head, positions)
+    layout.attach(q_out, head, heads)
+    if kv_heads == heads:
+        layout.attach(k_out, head, heads)
+        layout.attach(v_out, head, heads)
+    return q_out, k_out, v_out
+
+
+def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = None,
+               global_len: int | None = None, heads: int | None = None) -> torch.Tensor:
+    """Attention output ``S(head_dim)`` with the full sequence -> ``S(seq_dim)`` with every head: one all-to-all.
+
+    ``heads`` is the full head count (default: asked of the group, one tiny
+    all-gather and a host sync; not read from a tag, because a rank holding no
+    head has an empty tensor, whose tag does not survive ``detach``, and every
+    rank must decide alike whether to ask). ``global_len``, if given, must be the sequence
+    length ``out`` holds. Backward: the switch to heads. A size-1 group returns ``out``.
+    """
+    group, n, rank = comm._member("from_heads", group)
+    error, seq, head, known = None, -1, -1, None
+    try:
+        out = comm._check_tensor("from_heads", out)
+        seq = comm._normalize_dim("from_heads", "seq_dim", seq_dim, out.dim())
+        head = comm._normalize_dim("from_heads", "head_dim", head_dim, out.dim())
+        if seq == head:
+            raise ValueError(f"from_heads: seq_dim={seq_dim} and head_dim={head_dim} are both dim {seq}; "
+                             f"expected two different dims")
+        length = comm._check_global_len("from_heads", global_len)
+        if length is not None and length != out.shape[seq]:
+            raise ValueError(f"from_heads: global_len={length}, but out holds {out.shape[seq]} tokens on dim "
+                             f"{seq}; expected the full sequence on every rank (as to_heads leaves it)")
+        if heads is not None:
+            known = comm._as_int("from_heads", "heads", heads)
+            if known < 1:
+                raise ValueError(f"from_heads: heads={heads!r}; expected the full head count, >= 1")
+    except (TypeError, ValueError) as exc:
+        if n == 1:
+            raise
+        error = exc
+    if n == 1:
+        return out
+    total = comm._agree("from_heads", out, cur=head, tgt=seq, known_len=known, group=group, n=n, rank=rank,
+                        error=error)
+    ex = _Exchange(seq, head, tuple(chunk_sizes(out.shape[seq], n)), (tuple(head_ranges(total, n)),),
+                   (total,), group, n, rank)
+    (result,) = _FromHeads.apply(ex, out)
+    return layout.attach(result, seq, out.shape[seq])

@@ -1,0 +1,202 @@
+"""The full-attention layer kind: a DSP layer whose self-attention spans every token, through the head switch.
+
+A ``"full"`` entry of ``dsp_attend_pattern`` makes a layer attend over all
+``T * S`` tokens of a sample (Wan, HunyuanVideo, CogVideoX style), so a model may
+mix factorized (spatial / temporal) and full-attention layers. Such a layer
+attends along no sequence dim, so it keeps the shard it receives (no
+``dynamic_switch``); inside its self-attention, q, k and v switch from the
+sequence shard to a head shard and back (``dsp_plugin.heads``). Shapes
+(``N`` DSP ranks, ``h`` heads per TP rank, ``h_r`` this rank's share of them)::
+
+    layer in     [T_x * S_x, B, D]   sharded on T or S, as the previous layer left it
+    fold         [B, T_x, S_x, D] -> [T_x * S_x, B, D]   (the local tokens, one sequence)
+    linear_qkv   q, k, v [T_x * S_x, B, h, d]            (Megatron's SelfAttention, TP-split heads)
+    core attention (HeadSwitchCoreAttention):
+        unflatten    [T_x, S_x, B, h, d]
+        to_heads     [T, S, B, h_r, d]                   ONE all-to-all for q, k, v (seq dim: the sharded one)
+        local core   [T * S, B, h_r, d] -> [T * S, B, h_r * d]   (SDPACoreAttention: torch SDPA, CPU and GPU)
+        from_heads   [T_x, S_x, B, h, d] -> [T_x * S_x, B, h * d]   one all-to-all back
+    linear_proj, cross-attention (local: queries sharded, text replicated), MLP: as the factorized layers
+    layer out    [T_x * S_x, B, D]   the same shard as the input
+
+Everything but the attention is the factorized layer's own code
+(:class:`~dsp_plugin.megatron.dsp_layer.DSPSpatialTemporalLayer`): adaLN-Zero,
+cross-attention, MLP, the submodules from ``dsp_layer_spec``. The spec's layer
+class is :class:`DSPVideoLayer`, which builds the kind the pattern names for each
+global layer number. Full layers add no positional table (the factorized layers
+add sin-cos positions along the dim they attend; a model that starts with full
+layers needs its own positions before the block). Under full recompute the head
+switch is recomputed with the layer (two all-to-alls more in backward); the
+Transformer Engine core attention is built for the config's head count, which a
+head shard does not have, so full layers need ``--transformer-impl local``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from contextvars import ContextVar
+from functools import partial
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
+from megatron.core.utils import get_pg_rank
+
+from dsp_plugin.heads import from_heads, to_heads
+from dsp_plugin.megatron.config import (
+    ATTEND,
+    FRAME_DIM,
+    FULL,
+    DSPTransformerConfig,
+    local_grid,
+)
+from dsp_plugin.megatron.dsp_layer import DSPSpatialTemporalLayer, video_grid
+
+__all__ = ["DSPFullAttentionLayer", "DSPVideoLayer", "HeadSwitchCoreAttention", "attention_grid", "layer_kind"]
+
+# The global (T, S) grid and the sharded dim of the hidden states the enclosing full layer is running on.
+# Megatron's SelfAttention hands its core attention only q, k and v (new tensors, untagged), so the
+# layer scopes its input's ShardSpec here for the duration of its own forward: a ContextVar is local to
+# the thread and restored on exit, so two forwards in two threads, re-entrant calls and the recompute
+# under full activation checkpointing (which re-runs the layer's forward) each see their own grid.
+_GRID: ContextVar[tuple[tuple[int, int], int] | None] = ContextVar("dsp_full_attention_grid", default=None)
+
+
+@contextlib.contextmanager
+def attention_grid(grid: tuple[int, int], shard_dim: int) -> Iterator[None]:
+    """Scope the global ``grid = (T, S)`` and the sharded dim (1: T, 2: S) for :class:`HeadSwitchCoreAttention`."""
+    token = _GRID.set((tuple(grid), int(shard_dim)))  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        _GRID.reset(token)
+
+
+def layer_kind(config: DSPTransformerConfig, layer_number: int) -> str:
+    """``"spatial"``, ``"temporal"`` or ``"full"`` for global layer ``layer_number`` (1-based)."""
+    pattern = config.dsp_attend_pattern
+    return pattern[(layer_number - 1) % len(pattern)]
+
+
+class HeadSwitchCoreAttention(MegatronModule):
+    """Core attention over the full sequence of a DSP-sharded full layer: to_heads, local attention, from_heads.
+
+    Megatron's core-attention contract: q ``[s, b, h, d]``, k and v ``[s, b, h_kv, d]``
+    -> ``[s, b, h * d]``, here with ``s`` the local tokens ``T_x * S_x``. The switch
+    runs along the sharded video dim (``[T_x, S_x, ..]`` unflattened), whose global
+    length comes from the layer's input, so the full sequence arrives in row-major ``(t, s)``
+    order; the global lengths are those of the enclosing layer's input tag, scoped by
+    :func:`attention_grid`. ``local_attention`` is the core attention class the layer spec names
+    (it must accept any head count, as :class:`~dsp_plugin.megatron.layers.SDPACoreAttention`
+    does). The DSP group is ``pg_collection.cp``.
+    """
+
+    def __init__(self, config: DSPTransformerConfig, layer_number: int, attn_mask_type: Any,
+                 attention_type: str, attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None, *, local_attention: Any) -> None:
+        super().__init__(config=config)
+        if attention_type != "self":
+            raise ValueError(f"HeadSwitchCoreAttention: attention_type={attention_type!r}; the head switch is for "
+                             "self-attention (cross-attention to replicated text stays local)")
+        self.layer_number = layer_number
+        self.group = pg_collection.cp
+        self.local = local_attention(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
+                                     attention_type=attention_type, attention_dropout=attention_dropout,
+                                     softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
+                                     pg_collection=pg_collection)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
+                attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
+        scoped = _GRID.get()
+        if scoped is None:
+            raise ValueError(f"HeadSwitchCoreAttention (layer {self.layer_number}): no video grid in scope; it runs "
+                             "inside DSPFullAttentionLayer, or under attention_grid((T, S), shard_dim) when called "
+                             "directly")
+        grid, shard = scoped  # a full layer keeps its input's shard
+        frames, patches = local_grid(grid, shard, self.group.size(), self.group.rank())
+        seq_dim = 0 if shard == FRAME_DIM else 1
+        full_len = grid[shard - FRAME_DIM]
+        # [T_x * S_x, b, h, d] -> [T_x, S_x, b, h, d] -> (to_heads) [T, S, b, h_r, d]
+        q, k, v = (t.unflatten(0, (frames, patches)) for t in (query, key, value))
+        q, k, v = to_heads(q, k, v, seq_dim=seq_dim, head_dim=3, group=self.group, global_len=full_len)
+        # [T, S, b, h_r, d] -> [T * S, b, h_r, d] -> local attention -> [T * S, b, h_r * d]
+        out = self.local(*(t.flatten(0, 1) for t in (q, k, v)), attention_mask, attn_mask_type=attn_mask_type,
+                         attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+        # [T * S, b, h_r * d] -> [T, S, b, h_r, d] -> (from_heads) [T_x, S_x, b, h, d] -> [T_x * S_x, b, h * d]
+        out = out.unflatten(-1, (q.shape[3], -1)).unflatten(0, (q.shape[0], q.shape[1]))
+        out = from_heads(out, seq_dim=seq_dim, head_dim=3, group=self.group, heads=query.shape[2])
+        return out.flatten(3).flatten(0, 1)
+
+
+def _with_head_switch(submodules: Any) -> Any:
+    """The layer's submodules with the self-attention's core attention wrapped in the head switch."""
+    attention = submodules.self_attention
+    local = attention.submodules.core_attention
+    if getattr(local, "__name__", "") == "TEDotProductAttention":
+        raise ValueError("DSPFullAttentionLayer: the Transformer Engine core attention is built for the config's "
+                         "heads per TP rank, and a head shard holds fewer; use --transformer-impl local (torch "
+                         "SDPA, CPU and GPU) for models with full-attention layers")
+    core = partial(HeadSwitchCoreAttention, local_attention=local)
+    self_attention = ModuleSpec(module=attention.module, params=attention.params,
+                                submodules=dataclasses.replace(attention.submodules, core_attention=core))
+    return dataclasses.replace(submodules, self_attention=self_attention)
+
+
+class DSPFullAttentionLayer(DSPSpatialTemporalLayer):
+    """A DSP layer attending over every token of the sample (the ``"full"`` kind); keeps its input's shard."""
+
+    def __init__(self, config: DSPTransformerConfig, submodules: Any, layer_number: int = 1,
+                 hidden_dropout: float | None = None, pg_collection: Any = None, vp_stage: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(config, _with_head_switch(submodules), layer_number, hidden_dropout, pg_collection,
+                         vp_stage, **kwargs)
+        if self.attend_dim is not FULL:
+            raise ValueError(f"DSPFullAttentionLayer: layer {self.layer_number} is "
+                             f"{layer_kind(config, self.layer_number)!r} in dsp_attend_pattern="
+                             f"{config.dsp_attend_pattern}; expected 'full'")
+        self.add_positions = False
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The factorized layer's forward with the input's global grid scoped for the head switch."""
+        grid, shard = video_grid(hidden_states, f"{type(self).__name__} {self.layer_number}")
+        with attention_grid(grid, shard):
+            return super().forward(hidden_states, *args, **kwargs)
+
+    def _fold(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, T_x, S_x, D] -> [T_x * S_x, B, D]``: the local tokens as one sequence (the head switch spans them)."""
+        return x.permute(1, 2, 0, 3).reshape(-1, x.shape[0], x.shape[3])
+
+    def _unfold(self, h: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        batch, frames, patches, hidden = like.shape
+        return h.view(frames, patches, batch, hidden).permute(2, 0, 1, 3)
+
+
+class DSPVideoLayer(BaseTransformerLayer):
+    """The layer ``dsp_layer_spec`` names: builds the kind ``dsp_attend_pattern`` gives each global layer.
+
+    ``"spatial"``/``"temporal"``: :class:`DSPSpatialTemporalLayer`; ``"full"``:
+    :class:`DSPFullAttentionLayer`. (A ``TransformerBlock`` builds every layer
+    from one spec; the global layer number, with the pipeline offset, decides.
+    A ``BaseTransformerLayer`` so that the block accepts the spec; ``__new__``
+    returns the real layer, so this class never has an instance.)
+    """
+
+    def __new__(cls, config: DSPTransformerConfig, submodules: Any, layer_number: int = 1,
+                hidden_dropout: float | None = None, pg_collection: Any = None, vp_stage: int | None = None,
+                **kwargs: Any) -> DSPSpatialTemporalLayer:
+        if not isinstance(config, DSPTransformerConfig):
+            raise TypeError("DSPVideoLayer needs a DSPTransformerConfig (video geometry and attend pattern), got "
+                            f"{type(config).__name__}")
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        offset = get_transformer_layer_offset(config, vp_stage, get_pg_rank(pg_collection.pp))
+        full = ATTEND[layer_kind(config, layer_number + offset)] is FULL
+        layer_cls = DSPFullAttentionLayer if full else DSPSpatialTemporalLayer
+        return layer_cls(config, submodules, layer_number, hidden_dropout, pg_collection, vp_stage, **kwargs)

@@ -1,0 +1,71 @@
+"""Built-in plans, found from the model's class name (or its ``_dsp_plan`` attribute).
+
+Each plan is the whole of what DSP needs to know about the model; the line count
+of each is reported in docs/models.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
+
+__all__ = ["LATTE_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan"]
+
+# diffusers' LatteTransformer3DModel: spatial blocks on [B*T, S, D], temporal blocks on [B*S, T, D], the model
+# reshaping between them inline with its own B. Shard the folded rows: the frames (T) for spatial blocks, the
+# patches (S) for temporal blocks; each block's output leaves with the placement the next reshape needs.
+LATTE_PLAN: dict[str, Any] = {
+    "": Grid(B=("hidden_states", 0)),
+    "pos_embed": Split("out", "(B T) S D", shard="T"),
+    "transformer_blocks.*": Block("(B T) S D", attends="S", then="T", out_shard="S",
+                                  follow={"encoder_hidden_states": "(B T)", "timestep": "(B T)"}),
+    "temporal_transformer_blocks.*": Block("(B S) T D", attends="T", then="S", out_shard="T",
+                                           follow={"timestep": "(B S)"}),
+    "norm_out": Gather(0, "(B T) S D"),
+}
+
+# diffusers' WanTransformer3DModel: full 3D attention over the flattened [B, F*H*W, D] tokens (patch size 1 in
+# time). Shard whole frames of tokens at the first block (3D RoPE is computed for the global grid and split the
+# same way), self-attention through the head switch, text cross-attention local; gather after the output
+# projection. Whole frames keep the latents [B, C, F, H, W] shardable on F for sampling (sharded_io).
+WAN_PLAN: dict[str, Any] = {
+    "": Grid(F=("hidden_states", 2)),
+    "rope": [Positions("hidden_states", {2: "F"}), Split("out", "O (F HW) P Dr", shard="F")],
+    "blocks.0": Split("hidden_states", "B (F HW) D", shard="F"),
+    "blocks.*": Block("B (F HW) D", arg="hidden_states"),
+    "blocks.*.attn1": Heads(),
+    "proj_out": Gather("out", "B (F HW) D"),
+}
+
+
+
+def stdit_plan(model: Any) -> dict[str, Any]:
+    """The reference STDiT: latents split on frames before the (per-frame) embedder, blocks on
+    ``[B, T, S, D]`` (or ``[B, T, H, W, D]``) switching only before a block that attends the sharded axis,
+    to the axis whose next use is furthest (``switch_schedule``, compiled once); gather before unpatchify."""
+    from dsp_plugin.models.plan import switch_schedule
+
+    axes = ("T", "S") if model.config.axes == 2 else ("T", "H", "W")
+    lay = "B " + " ".join(axes) + " D"
+    attend = [block.attend_dim for block in model.blocks]
+    schedule, _ = switch_schedule(attend, model.sequence_dims, first_shard=1)
+    plan: dict[str, Any] = {"embedder": Split(0, "B C T Hp Wp", shard="T"), "unpatchify": Gather(0, lay)}
+    for i, (a, switch) in enumerate(zip(attend, schedule)):
+        plan[f"blocks.{i}"] = Block(lay, arg="x", attends=axes[a - 1], then=axes[switch[1] - 1] if switch else None)
+    return plan
+
+
+_BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "WanTransformer3DModel": WAN_PLAN, "STDiT": stdit_plan}
+
+
+def builtin_plan(model: Any) -> Any:
+    """The plan for ``model``: its ``_dsp_plan``, else the built-in one for its class, else None."""
+    own = getattr(model, "_dsp_plan", None)
+    if own is not None:
+        return own
+    for cls in type(model).__mro__:
+        if cls.__name__ in _BY_CLASS:
+            plan = _BY_CLASS[cls.__name__]
+            return plan(model) if callable(plan) else plan
+    return None

@@ -1,0 +1,86 @@
+"""``Heads``: a module's full attention runs on the head shard, through the head switch.
+
+Inside a ``Heads`` module, every ``torch.nn.functional.scaled_dot_product_attention``
+call (the one the model's own attention code makes, whatever its processor) is
+intercepted by a ``TorchFunctionMode`` that lives only for that module's call:
+q, k, v ``[B, H, L_local, Dh]`` sharded on the sequence become ``[B, H_local, L, Dh]``
+(``dsp_plugin.heads.to_heads``: one packed all-to-all), attention runs locally on
+the full sequence, and the output goes back to the sequence shard
+(``from_heads``: one more). Attention outside ``Heads`` modules (text
+cross-attention) is untouched: local, no communication.
+
+The global ``L`` is read from the enclosing ``Block``'s placement. Modes are
+per thread, so two threads may run the model at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+
+__all__ = ["enter_heads", "exit_heads"]
+
+_local = threading.local()
+_SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+class _HeadSwitchMode(TorchFunctionMode):
+    def __init__(self, where: str, lengths: list[tuple[int, int]], axis: int, group: Any) -> None:
+        super().__init__()
+        # the sequence dim may fold several axes (Wan's F*H*W tokens sharded on F): (local, global) length
+        # of each, and which one is sharded; the switch runs on that axis of the unfolded view
+        self.where, self.lengths, self.axis, self.group = where, lengths, axis, group
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        call = dict(zip(_SDPA, args)) | kwargs
+        q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
+        mask = call.get("attn_mask")
+        if mask is not None and mask.dim() >= 2 and (mask.shape[-2] != 1 or (mask.dim() >= 3 and mask.shape[-3] != 1)):
+            raise ValueError(f"{self.where}: Heads attention takes no mask over queries or heads (got a mask of "
+                             f"shape {tuple(mask.shape)}); expected None or a key-only mask [.., 1, 1, L]")
+        if q.shape[-2] != k.shape[-2]:
+            raise ValueError(f"{self.where}: Heads is for self-attention; got {q.shape[-2]} queries and "
+                             f"{k.shape[-2]} keys on this rank (leave cross-attention out of Heads)")
+        from dsp_plugin.heads import from_heads, to_heads
+
+        heads, local, full = q.shape[1], [a for a, _ in self.lengths], [b for _, b in self.lengths]
+        seq, width = 2 + self.axis, len(self.lengths)
+        q, k, v = (t.unflatten(2, local) for t in (q, k, v))
+        q, k, v = to_heads(q, k, v, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis])
+        out = func(*(t.flatten(2, 1 + width) for t in (q, k, v)), **call).unflatten(2, full)
+        out = from_heads(out, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis], heads=heads)
+        return out.flatten(2, 1 + width)
+
+
+def enter_heads(where: str, group: Any) -> None:
+    from dsp_plugin.plan.runtime import current_block
+
+    block = current_block()
+    if block is None:
+        raise ValueError(f"{where}: a Heads module must run inside a Block of the plan (its placement gives "
+                         f"the global sequence length)")
+    grid, shard, lay = block
+    names = lay.dims[lay.dim_of(shard)]
+    n, rank = group_size(group), group_rank(group)
+    lengths = [(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a], grid[a]) for a in names]
+    mode = _HeadSwitchMode(where, lengths, names.index(shard), group)
+    mode.__enter__()
+    if not hasattr(_local, "modes"):
+        _local.modes = []
+    _local.modes.append(mode)
+
+
+def exit_heads() -> None:
+    modes = getattr(_local, "modes", [])
+    if modes:
+        modes.pop().__exit__(None, None, None)

@@ -1,0 +1,202 @@
+"""The data movement a plan applies, on tensors described by a ``Layout`` and a global grid.
+
+A tensor in layout ``"(B T) S D"`` sharded on T is viewed with every axis
+separate (``[B, T_local, S, D]``), moved by the primitives of ``dsp_plugin.comm``
+along the axis index, and folded back. The shard is tagged with the one carrier,
+``layout.ShardSpec(dim, global_len, grid, axis)``, so a later hook (or a
+recompute under activation checkpointing) reads every global length from it.
+
+Gradient convention (the project's): each rank's gradient is its partial sum
+and the full gradient is the sum over the DSP group. So a split of a replicated
+activation inside the model has the *partial* adjoint (its own chunk, zeros
+elsewhere; no communication), and a gather, whose output feeds a computation
+that every rank repeats, is paired with a 1/N on the model's replicated outputs
+and an N on the gather's backward, so parameters used after the gather get 1/N
+of the gradient on each rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dsp_plugin import comm
+from dsp_plugin import layout as carrier
+from dsp_plugin.comm import chunk_sizes, dynamic_switch, gather, group_rank, group_size
+from dsp_plugin.packing import offsets
+from dsp_plugin.plan.spec import Layout
+
+__all__ = ["infer_grid", "plan_gather", "plan_split", "plan_switch", "read_spec", "scale_grad", "spec_for"]
+
+
+def spec_for(lay: Layout, grid: dict[str, int], shard: str) -> carrier.ShardSpec:
+    """The carrier's tag of a tensor in ``lay`` sharded on axis ``shard``."""
+    dim = lay.dim_of(shard)
+    names = lay.dims[dim]
+    lengths = tuple(grid[a] for a in names)
+    return carrier.ShardSpec(dim, math.prod(lengths), lengths, names.index(shard))
+
+
+def read_spec(x: torch.Tensor, lay: Layout) -> tuple[dict[str, int], str] | None:
+    """(global grid, sharded axis) from ``x``'s tag read in ``lay``; None if untagged or another layout."""
+    spec = carrier.shard_spec(x)
+    if spec is None or spec.dim >= len(lay.dims) or len(spec.grid) != len(lay.dims[spec.dim]) \
+            or x.dim() != len(lay.dims):
+        return None
+    grid = dict(zip(lay.dims[spec.dim], spec.grid))
+    for d, names in enumerate(lay.dims):
+        if d != spec.dim and len(names) == 1:
+            grid[names[0]] = x.shape[d]
+    return grid, lay.dims[spec.dim][spec.axis]
+
+
+def infer_grid(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], *, shard: str | None = None,
+               group: Any = None) -> dict[str, int]:
+    """``grid`` completed with the axes of ``x`` (at most one unknown axis per dim).
+
+    ``x`` is the full tensor, or with ``shard`` this rank's shard of that axis (whose global length is in ``grid``).
+    """
+    n, rank = group_size(group), group_rank(group)
+
+    def length(a: str) -> int:
+        return chunk_sizes(out[a], n)[rank] if a == shard else out[a]
+
+    if x.dim() != len(lay.dims):
+        raise ValueError(f"{where}: expected a {len(lay.dims)}-dim tensor in layout '{lay}', got shape "
+                         f"{tuple(x.shape)}")
+    out = dict(grid)
+    for d, names in enumerate(lay.dims):
+        unknown = [a for a in names if a not in out]
+        known = math.prod(length(a) for a in names if a in out)
+        if len(unknown) > 1:
+            raise ValueError(f"{where}: dim {d} of layout '{lay}' folds {unknown}, whose lengths are unknown; "
+                             f"give all but one in the plan's Grid")
+        if unknown:
+            if x.shape[d] % known:
+                raise ValueError(f"{where}: dim {d} has {x.shape[d]} rows, not a multiple of "
+                                 f"{dict((a, out[a]) for a in names if a in out)}")
+            out[unknown[0]] = x.shape[d] // known
+        elif x.shape[d] != known:
+            raise ValueError(f"{where}: dim {d} of layout '{lay}' has length {x.shape[d]}, expected {known} "
+                             f"({dict((a, out[a]) for a in names)})")
+    return out
+
+
+def _local_shape(lay: Layout, grid: dict[str, int], shard: str | None, n: int, rank: int,
+                 x: torch.Tensor) -> list[int]:
+    """Every axis of ``lay`` separate, with this rank's length of the sharded one."""
+    shape: list[int] = []
+    for d, names in enumerate(lay.dims):
+        if len(names) == 1 and names[0] != shard:  # a whole dim that is not sharded: its full length
+            shape.append(x.shape[d])
+            continue
+        for a in names:
+            shape.append(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a])
+    return shape
+
+
+def _unfold(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str | None,
+            group: Any) -> torch.Tensor:
+    n, rank = group_size(group), group_rank(group)
+    shape = _local_shape(lay, grid, shard, n, rank, x)
+    if math.prod(shape) != x.numel():
+        raise ValueError(f"{where}: a tensor of shape {tuple(x.shape)} is not layout '{lay}' with global "
+                         f"lengths {grid} sharded on {shard!r} over {n} ranks (rank {rank}); expected "
+                         f"{shape} unfolded")
+    return x.reshape(shape)
+
+
+def _fold(x: torch.Tensor, lay: Layout) -> torch.Tensor:
+    shape, i = [], 0
+    for names in lay.dims:
+        shape.append(math.prod(x.shape[i:i + len(names)]))
+        i += len(names)
+    return x.reshape(shape)
+
+
+def _tag(x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str) -> torch.Tensor:
+    spec = spec_for(lay, grid, shard)
+    return carrier.attach(x, spec.dim, spec.global_len, grid=spec.grid, axis=spec.axis)
+
+
+class _PartialSplit(torch.autograd.Function):
+    """This rank's chunk of ``dim``; backward: its gradient in place, zeros elsewhere (no communication)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, start: int, size: int) -> torch.Tensor:
+        ctx.shape, ctx.dim, ctx.start = x.shape, dim, start
+        return x.narrow(dim, start, size).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        full = g.new_zeros(ctx.shape)
+        full.narrow(ctx.dim, ctx.start, g.shape[ctx.dim]).copy_(g)
+        return full, None, None, None
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g * ctx.factor, None
+
+
+def scale_grad(x: Any, factor: float) -> Any:
+    """Identity forward; the gradient times ``factor`` (used on replicated outputs, 1/N)."""
+    if isinstance(x, torch.Tensor) and factor != 1 and x.requires_grad:
+        return _ScaleGrad.apply(x, factor)
+    return x
+
+
+def partial_split(where: str, x: torch.Tensor, axis_index: int, group: Any) -> torch.Tensor:
+    n, rank = group_size(group), group_rank(group)
+    length = x.shape[axis_index]
+    if length < n:
+        raise ValueError(f"{where}: a sequence axis of length {length} cannot be split over {n} ranks; expected "
+                         f"at least one element per rank (length >= {n})")
+    sizes = chunk_sizes(length, n)
+    comm._count_sharded_call()  # a shard is made: what the DeepSpeed guard checks a DSP model does
+    return _PartialSplit.apply(x, axis_index, offsets(sizes)[rank], sizes[rank])
+
+
+def plan_split(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str,
+               group: Any) -> torch.Tensor:
+    """Replicated ``x`` in ``lay`` -> this rank's chunk of axis ``shard``, tagged."""
+    if group_size(group) == 1:
+        return x
+    full = _unfold(where, x, lay, grid, None, group)
+    local = partial_split(where, full, lay.axes.index(shard), group)
+    return _tag(_fold(local, lay), lay, grid, shard)
+
+
+def plan_switch(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], cur: str, tgt: str,
+                group: Any) -> torch.Tensor:
+    """S(cur) -> S(tgt) of ``x`` in ``lay``: one all-to-all; tagged."""
+    if group_size(group) == 1:
+        return x
+    u = _unfold(where, x, lay, grid, cur, group)
+    axes = lay.axes
+    y = dynamic_switch(u, axes.index(cur), axes.index(tgt), group=group, global_len=grid[cur])
+    return _tag(_fold(y, lay), lay, grid, tgt)
+
+
+def plan_gather(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str,
+                group: dist.ProcessGroup | None) -> torch.Tensor:
+    """S(shard) -> R: one all_gather; backward N x its own chunk (see the module docstring)."""
+    n = group_size(group)
+    if n == 1:
+        return x
+    u = _unfold(where, x, lay, grid, shard, group)
+    y = gather(u, lay.axes.index(shard), group=group, global_len=grid[shard])
+    return scale_grad(_fold(y, lay), float(n))
+
+
+def tag(x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str) -> torch.Tensor:
+    return _tag(x, lay, grid, shard)

@@ -1,0 +1,169 @@
+"""The plan vocabulary: what a plan says about one module of a model.
+
+A plan maps module paths (``model.get_submodule`` names; ``*`` matches any
+ModuleList index, ``""`` is the model itself) to one spec or a list of specs:
+
+=================  =====================================================================
+``Grid``           (root only) global axis lengths read from the model's own inputs
+``Split``          R -> S: an input (or the output) of the module is split on one axis
+``Block``          the activation of a block: which axis it attends (a switch is inserted
+                   before it only when that axis is the sharded one), the placement its
+                   output must leave with, per-row conditioning that follows the shard
+``Heads``          full attention inside the module runs through the head switch
+``Gather``         S -> R: an input (or the output) of the module is gathered
+``Positions``      the module computes positional tables from an input's *shape* (RoPE);
+                   when the model is fed shards (``sharded_io``) it sees the global shape
+=================  =====================================================================
+
+Layouts name the axes of a tensor, one group per tensor dim: ``"(B T) S D"`` is a
+tensor ``[B*T, S, D]`` whose dim 0 folds B and T row-major (Latte's spatial
+blocks), ``"B S D"`` a flat token sequence (Wan). Only the named sequence axes
+(those in the plan's ``Grid`` or found at the split) are ever sharded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["Block", "Gather", "Grid", "Heads", "Layout", "Positions", "Split"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parsed layout: ``dims[i]`` is the tuple of axis names folded into tensor dim ``i``."""
+
+    dims: tuple[tuple[str, ...], ...]
+
+    @staticmethod
+    def parse(text: str) -> Layout:
+        dims: list[tuple[str, ...]] = []
+        group: list[str] | None = None
+        for token in text.replace("(", " ( ").replace(")", " ) ").split():
+            if token == "(":
+                if group is not None:
+                    raise ValueError(f"layout {text!r}: nested parentheses")
+                group = []
+            elif token == ")":
+                if not group:
+                    raise ValueError(f"layout {text!r}: empty or unopened group")
+                dims.append(tuple(group))
+                group = None
+            elif group is not None:
+                group.append(token)
+            else:
+                dims.append((token,))
+        if group is not None:
+            raise ValueError(f"layout {text!r}: unclosed '('")
+        names = [a for d in dims for a in d]
+        if len(set(names)) != len(names):
+            raise ValueError(f"layout {text!r}: an axis name appears twice")
+        return Layout(tuple(dims))
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        return tuple(a for d in self.dims for a in d)
+
+    def dim_of(self, axis: str) -> int:
+        for i, d in enumerate(self.dims):
+            if axis in d:
+                return i
+        raise ValueError(f"axis {axis!r} is not in layout {self}")
+
+    def __str__(self) -> str:
+        return " ".join(d[0] if len(d) == 1 else "(" + " ".join(d) + ")" for d in self.dims)
+
+
+def _layout(text: str | Layout) -> Layout:
+    return text if isinstance(text, Layout) else Layout.parse(text)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Global axis lengths read from the model's inputs: ``Grid(B=("hidden_states", 0))``.
+
+    Each value is ``(argument name, tensor dim)``. Axes not given are found at
+    the ``Split`` from the full tensor's shape.
+    """
+
+    axes: dict[str, tuple[str, int]]
+
+    def __init__(self, **axes: tuple[str, int]) -> None:
+        object.__setattr__(self, "axes", dict(axes))
+
+
+@dataclass(frozen=True)
+class Split:
+    """Split argument ``arg`` (a name, a position, or ``"out"`` for every tensor output) on ``shard``."""
+
+    arg: str | int
+    layout: str | Layout
+    shard: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", _layout(self.layout))
+        self.layout.dim_of(self.shard)  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class Gather:
+    """Gather argument ``arg`` (a name, a position, or ``"out"``) whose layout is ``layout``."""
+
+    arg: str | int
+    layout: str | Layout
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", _layout(self.layout))
+
+
+@dataclass(frozen=True)
+class Block:
+    """A block whose activation ``arg`` has ``layout``.
+
+    ``attends``: the axis the block mixes (None: it mixes nothing along the
+    sequence, or does it through ``Heads``); if it is the sharded one, a switch
+    to ``then`` (default: the next sequence axis of the layout) runs first.
+    ``out_shard``: the axis the output must be sharded on when it leaves (the
+    model's own reshapes after the block need it; a switch runs after the block).
+    ``follow``: per-row conditioning arguments ``{name: row layout}``, e.g.
+    ``{"timestep": "(B T)"}``: split with the activation when it is sharded on
+    an axis of that row layout.
+    """
+
+    layout: str | Layout
+    arg: str | int = 0
+    attends: str | None = None
+    then: str | None = None
+    out_shard: str | None = None
+    follow: dict[str, str | Layout] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layout", _layout(self.layout))
+        object.__setattr__(self, "follow", {k: _layout(v) for k, v in self.follow.items()})
+        for axis in (self.attends, self.then, self.out_shard):
+            if axis is not None:
+                self.layout.dim_of(axis)  # type: ignore[union-attr]
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Full attention inside this module: ``scaled_dot_product_attention`` runs on the head shard.
+
+    q, k, v ``[B, H, L_local, Dh]`` switch to ``[B, H_local, L, Dh]`` (one packed
+    all-to-all), attend locally, and the output switches back (one more). The
+    global ``L`` is that of the enclosing ``Block``'s activation.
+    """
+
+
+@dataclass(frozen=True)
+class Positions:
+    """A module that builds positional tables from the shape of argument ``arg`` (Wan's RoPE).
+
+    Under ``sharded_io`` (the model is fed this rank's shard, e.g. frames, for a
+    sampling loop that never gathers), the argument is replaced by a stand-in of
+    the global shape that holds no memory (``dims``: tensor dim -> grid axis
+    whose global length it takes), so the tables are computed for the global
+    grid; a ``Split`` on the module's output then slices them with the shard.
+    """
+
+    arg: str | int
+    dims: dict[int, str]
