@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["CallFingerprint", "CrossRankMismatch", "check_mode", "exchanging", "forget_signatures", "judge",
-           "needs_check", "set_check_mode"]
+           "needs_check", "needs_check_for", "remember", "set_check_mode"]
 
 _MODES = {"1": "always", "always": "always", "": "first", "first": "first", "0": "off", "off": "off"}
 _mode: str | None = None
@@ -49,6 +49,14 @@ _MSG_BYTES = 320
 _HEADER = ("op", "dtype", "ndim", "cur", "tgt", "global_len", "local_len", "group_size", "group_hash", "device")
 LENGTH = 1 + len(_HEADER) + _MAX_DIMS + 1 + _MSG_BYTES // 8   # int64 words
 _MAGIC = 0x44535031  # "DSP1"
+MAGIC = _MAGIC
+#: First word of the rows other agreements exchange in this format on a DSP group, and what a
+#: rank sending one is doing instead of calling the primitive (named in the mismatch error).
+GUARD_MAGIC = 0x44535047  # "DSPG": the DeepSpeed first-forward guard
+PARAMS_MAGIC = 0x44535052  # "DSPR": reduce_gradients' parameter-list check
+_FOREIGN = {GUARD_MAGIC: "finished the first forward without a DSP primitive and is in the DeepSpeed guard (is "
+                         "the model DSP-aware on every rank?)",
+            PARAMS_MAGIC: "is in reduce_gradients (its forward issued fewer DSP primitives)"}
 
 
 class CrossRankMismatch(ValueError):
@@ -147,19 +155,33 @@ def _decode(words: Sequence[int]) -> dict[str, object]:
 
 def needs_check(fingerprint: CallFingerprint) -> bool:
     """Whether this call exchanges fingerprints (decided alike on every rank of a correct program)."""
+    if fingerprint.error:
+        return True
+    return needs_check_for(fingerprint.signature())
+
+
+def needs_check_for(key: tuple[object, ...]) -> bool:
+    """``needs_check`` for any hashable signature (``comm.reduce_gradients`` checks its parameter list).
+
+    A signature counts as seen only once its exchange agreed (``remember``), so
+    after a mismatch every rank checks it again: no rank skips the check its
+    peers make.
+    """
     mode = check_mode()
-    if fingerprint.error or mode == "always":
+    if mode == "always":
         return True
     if mode == "off":
         return False
-    key = fingerprint.signature()
     with _seen_lock:
-        if key in _seen:
-            return False
+        return key not in _seen
+
+
+def remember(key: tuple[object, ...]) -> None:
+    """Mark ``key`` as agreed by every rank (``first`` mode then skips its exchange)."""
+    with _seen_lock:
         if len(_seen) >= _SEEN_LIMIT:
             _seen.clear()
         _seen.add(key)
-    return True
 
 
 def _describe(field: str, values: list[object], cur: int) -> str:
@@ -179,8 +201,11 @@ def judge(op: str, table: list[list[int]], ranks: Sequence[int], chunk_sizes) ->
     rows = [_decode(words) for words in table]
     where = f"{op}: the {len(rows)} ranks of group {list(ranks)}"
     if any(row["magic"] != _MAGIC for row in rows):
+        known = "; ".join(f"rank {r} {_FOREIGN[row['magic']]}" for r, row in enumerate(rows)
+                          if row["magic"] in _FOREIGN)
         raise CrossRankMismatch(f"{where} are not running the same primitive at this point "
-                                f"(a rank entered another collective); expected every rank to call {op}")
+                                f"(a rank entered another collective{': ' + known if known else ''}); "
+                                f"expected every rank to call {op}")
     failed = [(r, row["error"]) for r, row in enumerate(rows) if row["error"]]
     if failed:
         detail = "; ".join(f"rank {r}: {msg}" for r, msg in failed)

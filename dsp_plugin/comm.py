@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import operator
+import zlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -53,9 +54,11 @@ if TYPE_CHECKING:
     from dsp_plugin.topology import Topology
 
 __all__ = [
+    "NoTopologyError",
     "all_reduce_mean",
     "chunk_sizes",
     "dynamic_switch",
+    "exchange_words",
     "gather",
     "group_rank",
     "group_size",
@@ -85,11 +88,26 @@ def _count_sharded_call() -> None:
 # ---------------------------------------------------------------------------
 
 
-def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """``None`` -> the DSP group of the current topology, else the whole world.
+class NoTopologyError(RuntimeError):
+    """``group=None`` on more than one rank with no topology installed; raised alike on every rank."""
+
+
+def no_topology_message(name: str) -> str:
+    """What ``group=None`` without a topology says (also the text ``reduce_gradients`` raises)."""
+    return (f"{name}: group=None means the DSP group of the installed topology, but none is installed and the "
+            f"world has {dist.get_world_size()} ranks; refusing to shard over the whole world (a framework that "
+            f"reduces gradients its own way would train silently wrong). Fix: after init_process_group call "
+            f"dsp_plugin.set_topology(dsp_plugin.Topology.build(dsp=N)) (Topology.world() for one DSP group of "
+            f"every rank), or pass group= explicitly. Under DeepSpeed: the config needs "
+            f"\"sequence_parallel_mode\": \"dsp\" with \"sequence_parallel_size\": N, and the engine must come "
+            f"from dsp_plugin.deepspeed.initialize (it installs the topology).")
+
+
+def _resolve_group(group: dist.ProcessGroup | None, name: str = "dsp_plugin") -> dist.ProcessGroup | None:
+    """``None`` -> the DSP group of the installed topology; an error on > 1 rank without one.
 
     Returns None when torch.distributed is not initialised: a single process is
-    a DSP group of size 1.
+    a DSP group of size 1 (so is a world of one rank).
     """
     if group is not None:
         return group
@@ -98,17 +116,21 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     from dsp_plugin.topology import get_topology
 
     topology = get_topology()
-    return topology.dsp_group if topology is not None else dist.group.WORLD
+    if topology is not None:
+        return topology.dsp_group
+    if dist.get_world_size() == 1:
+        return dist.group.WORLD
+    raise NoTopologyError(no_topology_message(name))
 
 
 def _group_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
-    group = _resolve_group(group)
+    group = _resolve_group(group, "group_size")
     return group, (1 if group is None else dist.get_world_size(group))
 
 
 def _member(name: str, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
     """(group, size, rank in group); a clear error at once for a group this process is not in."""
-    group = _resolve_group(group)
+    group = _resolve_group(group, name)
     if group is None:
         return None, 1, 0
     rank = dist.get_rank(group)
@@ -126,7 +148,7 @@ def group_size(group: dist.ProcessGroup | None = None) -> int:
 
 def group_rank(group: dist.ProcessGroup | None = None) -> int:
     """This process's rank inside ``group``; 0 without torch.distributed."""
-    group = _resolve_group(group)
+    group = _resolve_group(group, "group_rank")
     return 0 if group is None else dist.get_rank(group)
 
 
@@ -174,6 +196,20 @@ def _exchange(fingerprint: list[int], device: torch.device, group: dist.ProcessG
     return table.view(n, -1).tolist()
 
 
+def exchange_words(words: list[int], *, group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
+    """Every rank's int64 ``words``, padded to a fingerprint's length, by group rank (one all_gather).
+
+    The same collective, size and group as the primitives' first-call check, so
+    an integration's agreement (the DeepSpeed guard) meets a peer that is waiting
+    in a primitive's check, and both judge the mixed table, instead of the two
+    waiting in different collectives. The first word says whose row it is.
+    """
+    if len(words) > checks.LENGTH:
+        raise ValueError(f"exchange_words: {len(words)} words; at most {checks.LENGTH}")
+    return _exchange(list(words) + [0] * (checks.LENGTH - len(words)), device, group,
+                     dist.get_world_size(group))
+
+
 def _exchange_device(x: object, group: dist.ProcessGroup) -> torch.device:
     if isinstance(x, torch.Tensor) and x.device.type != "meta":
         return x.device
@@ -204,11 +240,13 @@ def _agree(name: str, x: object, *, cur: int, tgt: int, known_len: int | None, g
     if checks.needs_check(fingerprint) or (cur >= 0 and known_len is None):
         table = _exchange(fingerprint.encode(), _exchange_device(x, group), group, n)
         try:
-            return checks.judge(name, table, ranks, chunk_sizes)
+            full = checks.judge(name, table, ranks, chunk_sizes)
         except checks.CrossRankMismatch as mismatch:
             if error is not None:
                 raise mismatch from error
             raise
+        checks.remember(fingerprint.signature())
+        return full
     if error is not None:
         raise error
     if cur >= 0 and local != chunk_sizes(known_len, n)[rank]:  # type: ignore[arg-type]
@@ -539,33 +577,116 @@ def switch_apply(x: torch.Tensor, fn, cur_shard: int, tgt_shard: int, *, chunks:
 # ---------------------------------------------------------------------------
 
 
-def reduce_gradients(parameters: Iterable[torch.nn.Parameter], *, topology: Topology | None = None) -> None:
+def reduce_gradients(parameters: Iterable[torch.nn.Parameter | tuple[str, torch.nn.Parameter]], *,
+                     topology: Topology | None = None) -> None:
     """Sum gradients over the DSP axis and average them over data parallelism.
 
     One all_reduce(SUM) of all gradients flattened together over the DP x DSP
     group, then a division by the DP size. After it every rank holds the
     gradient of the single-process run of the whole global batch (when the
-    loss is a mean over samples). Without a topology the whole world is one
-    DSP group (DP = 1).
+    loss is a mean over samples). ``parameters`` may be ``model.parameters()``
+    or ``model.named_parameters()`` (names then appear in errors).
+
+    A parameter this rank did not use (``.grad`` is None: a token or a head
+    owned by another rank) takes part as zeros, and one flag per parameter
+    travels in the same all_reduce, so afterwards every rank has a gradient for
+    exactly the parameters some rank used. The parameter lists must match
+    across ranks (count, shapes, dtypes): checked like the primitives' calls
+    (``dsp_plugin.checks``: the first call of each signature by default), with
+    an error naming the first parameter that differs. Without a topology on
+    more than one rank this refuses (``NoTopologyError``).
     """
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads or not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()):
         return
+    named = [(item if isinstance(item, tuple) else (f"#{i}", item)) for i, item in enumerate(parameters)]
+    named = [(name, p) for name, p in named if p.requires_grad or p.grad is not None]
     from dsp_plugin.topology import get_topology
 
     topology = topology if topology is not None else get_topology()
-    group = topology.dp_dsp_group if topology is not None else dist.group.WORLD
-    dp = topology.dp if topology is not None else 1
-    if group is None or dist.get_world_size(group) == 1:  # a topology without groups is one process
+    if topology is None:
+        if dist.get_world_size() == 1:
+            return
+        raise NoTopologyError(no_topology_message("reduce_gradients"))
+    group, dp = topology.dp_dsp_group, topology.dp
+    if group is None or dist.get_world_size(group) == 1 or not named:  # a topology without groups: one process
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    # first over the DSP group, where a peer still inside a primitive's check would be waiting
+    for checked in dict.fromkeys(g for g in (topology.dsp_group, group) if g is not None and
+                                 dist.get_world_size(g) > 1):
+        _agree_parameter_list(named, checked)
+    dtype = _common_dtype([p.grad if p.grad is not None else p for _, p in named])
+    device = named[0][1].device
+    pieces = [(p.grad if p.grad is not None else torch.zeros_like(p, memory_format=torch.contiguous_format))
+              .reshape(-1).to(dtype) for _, p in named]
+    pieces.append(torch.tensor([float(p.grad is not None) for _, p in named], dtype=dtype, device=device))
+    flat = torch.cat(pieces)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    used = flat[-len(named):].tolist()
     if dp > 1:
         flat.div_(dp)
     offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    for (_, p), anyone in zip(named, used):
+        chunk = flat[offset:offset + p.numel()].view_as(p)
+        offset += p.numel()
+        if anyone == 0:
+            continue                     # no rank used it: it stays without a gradient, as on one process
+        if p.grad is None:
+            p.grad = chunk.to(p.dtype).clone(memory_format=torch.contiguous_format)
+        else:
+            p.grad.copy_(chunk)
+
+
+def _common_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+
+
+def _agree_parameter_list(named: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup) -> None:
+    """The ranks' parameter lists match (count, shapes, dtypes) before the flat all_reduce, else a clear error.
+
+    Exchanged when ``checks`` says so (by default the first time this process
+    sees the list); a mismatch is judged from the same table on every rank. The
+    row has the primitives' check format, so a peer waiting in a primitive's
+    check on the same group meets this one and both raise.
+    """
+    shapes = [(tuple(p.shape), str(p.dtype)) for _, p in named]
+    key = ("reduce_gradients", tuple(dist.get_process_group_ranks(group)), tuple(shapes))
+    if not checks.needs_check_for(key):
+        return
+    n = dist.get_world_size(group)
+    device = _exchange_device(named[0][1], group)
+    table = exchange_words([checks.PARAMS_MAGIC, len(named), zlib.crc32(repr(shapes).encode())],
+                           group=group, device=device)
+    if all(row == table[0] for row in table):
+        checks.remember(key)
+        return
+    ranks = dist.get_process_group_ranks(group)
+    elsewhere = [r for r, row in zip(ranks, table) if row[0] != checks.PARAMS_MAGIC]
+    if elsewhere:
+        raise ValueError(f"reduce_gradients: rank(s) {elsewhere} of group {ranks} are inside a DSP primitive "
+                         f"while the others reduce gradients: their forward issued more DSP primitives; "
+                         f"expected the same model, DSP-aware alike, on every rank")
+    counts = [row[1] for row in table]
+    if len(set(counts)) > 1:
+        raise ValueError(f"reduce_gradients: the ranks of group {ranks} pass different numbers of parameters "
+                         f"({', '.join(f'{c} on rank {r}' for r, c in zip(ranks, counts))}); expected the same "
+                         f"parameters on every rank (pass model.parameters() of the same model everywhere)")
+    sizes = _exchange([p.numel() * 64 + _DTYPE_CODES.get(p.dtype, 63) for _, p in named], device, group, n)
+    for i, (name, p) in enumerate(named):
+        column = [row[i] for row in sizes]
+        if len(set(column)) > 1:
+            described = ", ".join(f"{v // 64} elements on rank {r}" for r, v in zip(ranks, column))
+            raise ValueError(f"reduce_gradients: parameter {name} differs across group {ranks}: {described} "
+                             f"(or another dtype); expected the same parameters on every rank")
+    raise ValueError(f"reduce_gradients: the parameter shapes of group {ranks} differ (same sizes, other "
+                     f"shapes); expected the same parameters on every rank")
+
+
+_DTYPE_CODES = {torch.float32: 0, torch.float64: 1, torch.float16: 2, torch.bfloat16: 3}
 
 
 def all_reduce_mean(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:

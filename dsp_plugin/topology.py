@@ -11,7 +11,13 @@ reduced over the DP x DSP group (``dp_dsp_group``); ZeRO partitions over DP.
 
 ``rank_layout`` is the pure arithmetic (no processes needed, used by the docs and
 tests); ``Topology.build`` creates the groups; ``set_topology`` makes one the
-default that ``group=None`` in the primitives refers to.
+default that ``group=None`` in the primitives refers to. Without one installed,
+``group=None`` on more than one rank is an error (``comm``): sharding over a
+world that the training framework reduces its own way is a silent wrong result.
+
+Groups inherit the world's collective timeout (the one given to
+``init_process_group``) unless ``Topology.build`` is given another, so a dead or
+frozen peer is reported within the user's timeout, not torch's 30-minute default.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from __future__ import annotations
 import datetime
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["AXES", "Topology", "get_topology", "rank_layout", "set_topology", "validate_sizes"]
+__all__ = ["AXES", "Topology", "get_topology", "rank_layout", "set_topology", "validate_sizes", "world_timeout"]
 
 #: Mesh axes from innermost (adjacent ranks) to outermost.
 AXES = ("tp", "dsp", "dp", "pp")
@@ -80,6 +87,23 @@ def rank_layout(world_size: int, *, tp: int = 1, dsp: int = 1, pp: int = 1) -> d
     }
 
 
+def world_timeout() -> datetime.timedelta | None:
+    """The collective timeout of the default process group (what ``init_process_group`` was given).
+
+    None when it cannot be read (torch.distributed not initialised, or a backend
+    that does not expose its options); ``new_group`` then applies torch's default.
+    """
+    if not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return world._get_backend(torch.device(device)).options._timeout  # type: ignore[union-attr]
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return None
+
+
 def _product(sizes: list[int]) -> list[tuple[int, ...]]:
     combos: list[tuple[int, ...]] = [()]
     for size in sizes:
@@ -116,6 +140,7 @@ class Topology:
 
         Sizes are validated before any group is created, so a bad
         factorisation raises on every rank and no rank waits on the others.
+        ``timeout=None`` gives every group the world's timeout (``world_timeout``).
         """
         if not dist.is_initialized():
             raise RuntimeError("Topology.build: torch.distributed is not initialised; "
@@ -127,6 +152,8 @@ class Topology:
         dp = validate_sizes(world, tp=tp, dsp=dsp, pp=pp)
         layout = rank_layout(world, tp=tp, dsp=dsp, pp=pp)
         rank = dist.get_rank()
+        if timeout is None:
+            timeout = world_timeout()
         mine: dict[str, dist.ProcessGroup | None] = {}
         # Every rank creates every group, in the same order (new_group requires it).
         for axis, rank_lists in layout.items():
@@ -137,6 +164,21 @@ class Topology:
         return cls(tp=tp, dsp=dsp, dp=dp, pp=pp, rank=rank, world_size=world,
                    tp_group=mine["tp"], dsp_group=mine["dsp"], dp_group=mine["dp"], pp_group=mine["pp"],
                    dp_dsp_group=mine["dp_dsp"], model_parallel_group=mine["model_parallel"], layout=layout)
+
+    @classmethod
+    def world(cls) -> Topology:
+        """The whole world as one DSP group (tp = dp = pp = 1), on the default group: no collective, no new group.
+
+        What ``set_topology(Topology.world())`` after ``init_process_group`` says
+        explicitly: the paper's four lines then shard over every rank.
+        """
+        if not dist.is_initialized():
+            raise RuntimeError("Topology.world: torch.distributed is not initialised; "
+                               "call torch.distributed.init_process_group first")
+        world = dist.get_world_size()
+        return cls(tp=1, dsp=world, dp=1, pp=1, rank=dist.get_rank(), world_size=world,
+                   dsp_group=dist.group.WORLD, dp_dsp_group=dist.group.WORLD,
+                   layout=rank_layout(world, dsp=world))
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
         """Coordinates of ``rank`` (default: this rank) on each axis."""
@@ -158,7 +200,7 @@ _CURRENT: Topology | None = None
 
 
 def set_topology(topology: Topology | None) -> None:
-    """Make ``topology`` the one ``group=None`` refers to (None: the whole world is one DSP group)."""
+    """Make ``topology`` the one ``group=None`` refers to (None: uninstall; ``group=None`` then refuses on > 1 rank)."""
     global _CURRENT
     _CURRENT = topology
 

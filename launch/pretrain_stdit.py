@@ -31,7 +31,7 @@ from megatron.core.enums import ModelType  # noqa: E402
 from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
 from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 
-from dsp_plugin.megatron.arguments import add_dsp_arguments  # noqa: E402
+from dsp_plugin.megatron.arguments import add_dsp_arguments, add_load_arguments, check_load_path  # noqa: E402
 from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers  # noqa: E402
 from dsp_plugin.megatron.flops import install_flops_formula  # noqa: E402
 from dsp_plugin.megatron.steps import (  # noqa: E402
@@ -48,7 +48,7 @@ ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer", "vocab_size": 1}
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """DSP options (the flag) plus the latent video geometry of the synthetic data."""
-    return add_model_arguments(add_dsp_arguments(parser))
+    return add_load_arguments(add_model_arguments(add_dsp_arguments(parser)))
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None,
@@ -117,6 +117,7 @@ def main() -> None:
         fail_on_silent_exit_in_load()  # Megatron's loader sys.exit()s with status 0 on some errors
         install_flops_formula()  # throughput in this model's FLOPs, not the GPT formula
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
+        check_load_path(args)  # --load of nothing is refused (Megatron would start from scratch)
         if not cuda_is_real():
             refuse_cuda_only_options(args)
         print_rank_0(f"> sequence parallel mode: {args.sequence_parallel_mode}, dsp size {args.dsp_size} "

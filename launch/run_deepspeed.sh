@@ -5,7 +5,8 @@
 # e.g.  NPROC=4 DSP=2 ZERO=3 ./launch/run_deepspeed.sh --save_dir /tmp/ckpt --save_at 5
 #       NPROC=2 DSP=2 ZERO=3 PRECISION=bf16 ./launch/run_deepspeed.sh --losses_json /tmp/bf16.json
 # (fp16 needs a GPU: DeepSpeed's CPU accelerator refuses it without mkldnn fp16.)
-# Extra arguments go to launch/train_deepspeed.py. CPU + gloo unless DeepSpeed finds an accelerator.
+# Extra arguments go to launch/train_deepspeed.py (e.g. --timeout 30: seconds a collective waits for a
+# dead or frozen peer, default 120). CPU + gloo unless DeepSpeed finds an accelerator.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

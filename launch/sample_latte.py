@@ -25,6 +25,7 @@ import torch.distributed as dist
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters.pipeline import parallelize_latte_pipeline, sampling_groups
 from dsp_plugin.adapters.tiny import tiny_latte_pipeline, tiny_prompt_embeds
+from dsp_plugin.topology import set_topology
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,13 +40,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pretrained", default=None, help="local directory written by save_pretrained")
     p.add_argument("--save-pretrained", default=None, help="write the pipeline here (rank 0) before sampling")
     p.add_argument("--out", default=None, help="torch.save the frames here (rank 0)")
+    p.add_argument("--timeout", type=float, default=120,
+                   help="seconds a collective may wait for a peer before every rank stops (default 120)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    created = "RANK" in os.environ and not dist.is_initialized()
+    try:
+        if created:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        return sample(args)
+    finally:  # also on an error: no gloo work left for interpreter exit, no topology left installed
+        set_topology(None)
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def sample(args: argparse.Namespace) -> dict[str, float]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     torch.set_num_threads(1)
@@ -86,8 +99,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if args.out:
             torch.save(frames.contiguous(), args.out)
             print(f"  wrote {tuple(frames.shape)} to {args.out}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
     return stats
 
 

@@ -10,14 +10,22 @@ cast to the parameters' dtype and the loss is taken in fp32::
     torchrun --standalone --nproc_per_node 4 launch/train_deepspeed.py --deepspeed_config launch/ds_config_dsp.json
 
 Prints ``step N loss X`` (mean over data-parallel replicas) on rank 0.
-``--save_dir``/``--save_at`` write an engine checkpoint with the data loader's
-position as client state; ``--load_dir`` resumes from it, at any DSP size that
-keeps the world size (ZeRO >= 1) or at any world size (ZeRO-0).
+``--save_dir`` with ``--save_at N`` (or ``--save_every N``) writes an engine
+checkpoint with the data loader's position as client state, each save under its
+own tag with ``latest`` written last (``dsp_plugin.deepspeed.checkpoint``);
+``--load_dir`` resumes from ``latest``, at any DSP size that keeps the world size
+(ZeRO >= 1) or at any world size (ZeRO-0), and refuses a missing directory or a
+checkpoint whose files come from different saves. Bad arguments (a config
+without the DSP key, ``--frames`` below the DSP size, an unwritable
+``--save_dir``) stop every rank before any collective. ``--timeout`` (seconds,
+default 120) bounds every collective's wait for a dead or frozen peer; the DSP
+groups inherit it.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import sys
@@ -29,8 +37,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsp_plugin.deepspeed import initialize  # DSP (was: deepspeed.initialize)
+from dsp_plugin.adapters.sharded import check_divisible_lengths
+from dsp_plugin.deepspeed import checkpoint, initialize  # DSP (was: deepspeed.initialize)
+from dsp_plugin.deepspeed.config import require_dsp_config
+from dsp_plugin.deepspeed.engine import load_config
 from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+from dsp_plugin.topology import set_topology
 
 
 def synthetic_dataset(samples: int, frames: int, size: int, seed: int = 7) -> torch.utils.data.TensorDataset:
@@ -51,22 +63,56 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--size", type=int, default=8, help="latent height and width")
     parser.add_argument("--save_dir", default=None)
     parser.add_argument("--save_at", type=int, default=None, help="optimizer step after which to save")
+    parser.add_argument("--save_every", type=int, default=None, help="save after every N optimizer steps")
     parser.add_argument("--load_dir", default=None)
     parser.add_argument("--losses_json", default=None, help="rank 0 writes the loss curve here")
+    parser.add_argument("--timeout", type=float, default=120,
+                        help="seconds a collective may wait for a peer before every rank stops (default 120)")
     parser = deepspeed.add_config_arguments(parser)
     return parser.parse_args()
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """Every check that needs only the arguments, on every rank alike, before any collective."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    settings = require_dsp_config(load_config(args), world_size=world, who="launch/train_deepspeed.py")
+    check_divisible_lengths("launch/train_deepspeed.py", {"--frames": args.frames,
+                                                         "spatial tokens (--size/2)**2": (args.size // 2) ** 2},
+                            settings.size)
+    if args.save_dir:
+        checkpoint.check_save_dir(args.save_dir)
+    if args.load_dir:
+        checkpoint.check_load_dir(args.load_dir)
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    preflight(args)
+    try:
+        train(args)
+    finally:  # also on an error: no gloo work left for interpreter exit, no topology left installed
+        set_topology(None)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    from dsp_plugin.deepspeed import skip_cpu_shm_build
+
+    skip_cpu_shm_build()
+    # The process group with the user's timeout (DeepSpeed's default is minutes); initialize reuses it.
+    deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                    timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(0)
     model = parallelize(STDiT(STDiTConfig.preset("tiny")))  # DSP: split / switch / gather hooks
     data = synthetic_dataset(args.samples, args.frames, args.size)
     engine, _, loader, _ = initialize(args=args, model=model, model_parameters=model.parameters(),
                                       training_data=data)
     if args.load_dir:
-        _, client = engine.load_checkpoint(args.load_dir, tag="dsp")
+        client = checkpoint.load(engine, args.load_dir)  # refuses a missing or mixed checkpoint
         loader.load_state_dict(client["loader"])
     rank, gas = dist.get_rank(), engine.gradient_accumulation_steps()
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.half if engine.fp16_enabled() else torch.float32
@@ -91,11 +137,12 @@ def main() -> None:
         losses.append(total.item() / engine.mpu.get_data_parallel_world_size())
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
-        if args.save_dir and args.save_at == step:
-            engine.save_checkpoint(args.save_dir, tag="dsp", client_state={"loader": loader.state_dict()})
+        if args.save_dir and (args.save_at == step or (args.save_every and step % args.save_every == 0)):
+            tag = checkpoint.save(engine, args.save_dir, step=step, client_state={"loader": loader.state_dict()})
+            if rank == 0:
+                print(f"saved {args.save_dir}/{tag}", flush=True)
     if rank == 0 and args.losses_json:
         Path(args.losses_json).write_text(json.dumps(losses))
-    dist.destroy_process_group()  # some CPU (gloo) runs aborted at exit without it
 
 
 if __name__ == "__main__":

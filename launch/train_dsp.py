@@ -9,7 +9,8 @@ the formula 2M(N-1)/N^2. Run on one process (no torchrun) it is the reference;
 ``--compare`` prints both loss curves side by side.
 
 Knobs: ``--dsp`` (default: the whole world, DP = world / DSP), ``--frames``,
-``--height``, ``--width``, ``--batch-size`` (per DP rank), ``--steps``, ``--lr``, ``--seed``.
+``--height``, ``--width``, ``--batch-size`` (per DP rank), ``--steps``, ``--lr``, ``--seed``,
+``--timeout`` (seconds a collective waits for a dead or frozen peer; every group inherits it).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from torch.utils.data import Dataset
 
 from dsp_plugin import Topology, dsp_dataloader, reduce_gradients, set_topology
 from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.models import STDiT, STDiTConfig, parallelize
 
@@ -62,21 +64,29 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=None, help="write the loss curve as JSON")
     p.add_argument("--compare", type=Path, default=None, help="a JSON from another run to compare losses with")
+    p.add_argument("--timeout", type=float, default=120,
+                   help="seconds a collective may wait for a peer before every rank stops (default 120)")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    distributed = "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1
-    if distributed:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-        set_topology(Topology.build(dsp=args.dsp))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    distributed = world > 1
+    # Every rank checks the same arguments before any collective: an empty shard fails alike everywhere.
+    dsp = args.dsp if args.dsp is not None else world
+    check_divisible_lengths("launch/train_dsp.py", {"--frames": args.frames,
+                                                   "spatial tokens (--height/2)*(--width/2)":
+                                                   (args.height // 2) * (args.width // 2)}, dsp)
     try:
+        if distributed:
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+            set_topology(Topology.build(dsp=args.dsp))   # its groups inherit --timeout
         run(args, distributed)
     finally:
         set_topology(None)
-        if distributed:
+        if dist.is_initialized():
             dist.destroy_process_group()
 
 

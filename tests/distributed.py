@@ -18,14 +18,23 @@ COLLECTIVE_TIMEOUT_S = 60
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240,
-                    final_barrier: bool = True) -> list[Any]:
+                    final_barrier: bool = True, collective_timeout_s: float = COLLECTIVE_TIMEOUT_S) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return the values by rank.
 
     ``fn`` must be defined at module level; arguments and return value must pickle.
-    ``final_barrier=False``: see ``dsp_plugin.spawn.spawn``.
+    ``final_barrier=False``: see ``dsp_plugin.spawn.spawn``. Each rank starts with
+    ``Topology.world()`` installed (the whole world is the DSP group, so
+    ``group=None`` shards over it); a worker may install another or none.
     """
-    return spawn(fn, world_size, *args, timeout=timeout, collective_timeout_s=COLLECTIVE_TIMEOUT_S,
-                 final_barrier=final_barrier)
+    return spawn(_in_world_topology, world_size, fn, *args, timeout=timeout,
+                 collective_timeout_s=collective_timeout_s, final_barrier=final_barrier)
+
+
+def _in_world_topology(rank: int, world_size: int, fn: Callable[..., Any], *args: Any) -> Any:
+    from dsp_plugin.topology import Topology, set_topology
+
+    set_topology(Topology.world())
+    return fn(rank, world_size, *args)
 
 
 def assert_no_steady_state_checks(check_records: list[Any], mode: str, what: str) -> None:

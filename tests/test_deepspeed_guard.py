@@ -24,8 +24,9 @@ def guard_worker(rank: int, world_size: int) -> dict[str, Any]:
     import torch
 
     from dsp_plugin.deepspeed import DSPGuardError, initialize, skip_cpu_shm_build
-    from dsp_plugin.topology import get_topology
+    from dsp_plugin.topology import get_topology, set_topology
 
+    set_topology(None)  # the runner installs Topology.world(); initialize must build none before refusing
     out: dict[str, Any] = {}
     # A PipelineModule needs DeepSpeed's communication backend, as in a real pipeline script.
     skip_cpu_shm_build()
@@ -85,6 +86,7 @@ def test_the_guard_judges_every_dsp_group() -> None:
     all-gathered rows (sharded calls, input fingerprint) names the group whose inputs differ, whichever it is."""
     import torch
 
+    from dsp_plugin.checks import GUARD_MAGIC
     from dsp_plugin.deepspeed.guard import _verdict, input_fingerprint
     from dsp_plugin.topology import Topology, rank_layout
 
@@ -92,9 +94,8 @@ def test_the_guard_judges_every_dsp_group() -> None:
     assert topology.layout["dsp"] == [[0, 1], [2, 3]]
     samples = [torch.arange(6.0), torch.arange(6.0), torch.ones(6), torch.ones(6)]  # one sample per DSP group
 
-    def rows(inputs: list[torch.Tensor]) -> torch.Tensor:
-        return torch.stack([torch.cat([torch.ones(1, dtype=torch.float64), input_fingerprint((x,), {})])
-                            for x in inputs])
+    def rows(inputs: list[torch.Tensor]) -> list[list[int]]:  # [magic, sharded calls, input fingerprint]
+        return [[GUARD_MAGIC, 1, input_fingerprint((x,), {})] for x in inputs]
 
     assert _verdict(rows(samples), topology) is None
     for group in ([0, 1], [2, 3]):

@@ -148,7 +148,9 @@ def formula(strategy: str, pattern: tuple[str, ...], n: int, activation_bytes: i
 def worker(rank: int, n: int, pattern: tuple[str, ...], shape: tuple[int, int, int, int], heads: int,
            reps: int) -> dict[str, Any]:
     from dsp_plugin.accounting import CommAccounting
+    from dsp_plugin.topology import Topology, set_topology
 
+    set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)
     torch.manual_seed(0)
     model = MixedModel(pattern, shape[-1], heads)
     x = torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))

@@ -59,7 +59,9 @@ def _median_time(fn: Any, steps: int) -> float:
 def _worker(rank: int, n: int, quick: bool, steps: int) -> dict[str, Any]:
     import dsp_plugin
     from dsp_plugin.accounting import CommAccounting
+    from dsp_plugin.topology import Topology, set_topology
 
+    set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)
     reference, batch = _setup(quick)
     model = dsp_plugin.parallelize(copy.deepcopy(reference))
     layers = len(reference.blocks)

@@ -1,9 +1,11 @@
-"""The one collective the DeepSpeed integration issues itself: the guard's agreement.
+"""The one collective the DeepSpeed integration issues itself, besides the guard's.
 
 Besides ``dsp_plugin.comm`` and ``dsp_plugin.baselines.comm``, this is the only
 module allowed to call torch.distributed collectives (``tests/test_comm_choke_point.py``),
-so the integration's own traffic is easy to audit: one small all-gather, once,
-at the end of the first forward (``guard.py``). Everything else is DeepSpeed's.
+so the integration's own traffic is easy to audit: a tiny all-gather twice per
+checkpoint save (``checkpoint.py``: the save id, then "every manifest is
+written"). The first-forward guard exchanges through ``dsp_plugin.comm.exchange_words``
+(the primitives' check format). Everything else is DeepSpeed's.
 """
 
 from __future__ import annotations

@@ -20,13 +20,15 @@ no rank is left waiting in a rendezvous.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from dsp_plugin.topology import validate_sizes
 
-__all__ = ["MODES", "MODE_KEY", "SIZE_KEY", "ULYSSES_MESH_KEYS", "DSPSettings", "parse_dsp_config"]
+__all__ = ["MODES", "MODE_KEY", "SIZE_KEY", "ULYSSES_MESH_KEYS", "DSPSettings", "parse_dsp_config",
+           "require_dsp_config"]
 
 MODE_KEY = "sequence_parallel_mode"
 SIZE_KEY = "sequence_parallel_size"
@@ -52,6 +54,34 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+def _near_miss(key: str, config: Mapping[str, Any]) -> str | None:
+    """A key of ``config`` that looks like a misspelled ``key`` (not ``key`` itself), or None."""
+    if key in config:
+        return None
+    candidates = [k for k in config if isinstance(k, str) and k not in (MODE_KEY, SIZE_KEY)]
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.85)
+    return close[0] if close else None
+
+
+def _refuse_near_misses(config: Mapping[str, Any]) -> None:
+    for key in (MODE_KEY, SIZE_KEY):
+        typo = _near_miss(key, config)
+        if typo is not None:
+            raise ValueError(f"DeepSpeed config: unknown key {typo!r}; did you mean {key!r}? (DeepSpeed ignores "
+                             f"unknown keys, so without the fix DSP would be off and a DSP-aware model refused)")
+
+
+def require_dsp_config(config: Mapping[str, Any], *, world_size: int | None = None,
+                       who: str = "this script") -> DSPSettings:
+    """``parse_dsp_config`` for a script that only trains with DSP: a config without the key is an error."""
+    settings = parse_dsp_config(config, world_size=world_size)
+    if settings is None:
+        raise ValueError(f"DeepSpeed config: {who} trains with DSP, but the config has no {MODE_KEY!r} key; "
+                         f"add \"{MODE_KEY}\": \"dsp\" and \"{SIZE_KEY}\": N (launch/ds_config_dsp.json "
+                         f"has both)")
+    return settings
+
+
 def parse_dsp_config(config: Mapping[str, Any], *, world_size: int | None = None) -> DSPSettings | None:
     """Return the DSP settings, or None when the config does not ask for DSP.
 
@@ -60,6 +90,7 @@ def parse_dsp_config(config: Mapping[str, Any], *, world_size: int | None = None
     """
     if not isinstance(config, Mapping):
         raise TypeError(f"DeepSpeed config: expected a dict, got {type(config).__name__}")
+    _refuse_near_misses(config)
     if MODE_KEY not in config:
         return None
     mode = config[MODE_KEY]

@@ -21,7 +21,8 @@ With the key, ``initialize``, in order:
 4. for ZeRO-3, casts the parameters to the configured precision and partitions them
    over DP x DSP, and registers the gradient scale that makes every stage sum over
    DSP and average over DP (``gradients.py``);
-5. installs the first-forward guard (``guard.py``);
+5. installs the first-forward guard (``guard.py``) and the hook that gives every
+   parameter a (zero) gradient on every rank (``gradients.install_every_gradient``);
 6. calls ``deepspeed.initialize`` with a ``DeepSpeedMPU`` so ZeRO partitions and
    reduces over DP x DSP and the batch arithmetic counts DP only;
 7. returns ``training_data`` wrapped in ``dsp_dataloader`` (identical batches
@@ -43,13 +44,17 @@ import torch.distributed as dist
 
 from dsp_plugin.data import dsp_dataloader
 from dsp_plugin.deepspeed.config import DSPSettings, parse_dsp_config
-from dsp_plugin.deepspeed.gradients import gradient_scale, install_gradient_scale, partition_for_zero3
+from dsp_plugin.deepspeed.gradients import (gradient_scale, install_every_gradient, install_gradient_scale,
+                                            partition_for_zero3)
 from dsp_plugin.deepspeed.guard import install_guard
 from dsp_plugin.deepspeed.mpu import DeepSpeedMPU
 from dsp_plugin.deepspeed_env import require_tested_deepspeed, skip_cpu_shm_build
 from dsp_plugin.topology import Topology, set_topology
 
-__all__ = ["initialize", "load_config", "skip_cpu_shm_build"]
+__all__ = ["EVERY_GRADIENT_ENV", "initialize", "load_config", "skip_cpu_shm_build"]
+
+#: ``0`` skips ``gradients.install_every_gradient`` (for a model that uses every parameter on every rank).
+EVERY_GRADIENT_ENV = "DSP_DEEPSPEED_EVERY_GRADIENT"
 
 def load_config(args: Any = None, config: Any = None, config_params: Any = None) -> dict[str, Any]:
     """The config dict DeepSpeed will read, found the way ``deepspeed.initialize`` finds it."""
@@ -143,6 +148,8 @@ def _initialize_dsp(settings: DSPSettings, *, training_data: Any, scale: float |
     install_gradient_scale(kwargs["model"], gradient_scale(settings) if scale is None else scale)
     install_guard(kwargs["model"], topology, device=get_accelerator().current_device_name())
     engine, optimizer, _, scheduler = deepspeed.initialize(training_data=None, mpu=mpu, **kwargs)
+    if os.environ.get(EVERY_GRADIENT_ENV, "1") != "0":   # after: ZeRO-3's own pre-hooks gather parameters first
+        install_every_gradient(kwargs["model"])
     loader = None
     if training_data is not None:
         extra = {} if kwargs["collate_fn"] is None else {"collate_fn": kwargs["collate_fn"]}

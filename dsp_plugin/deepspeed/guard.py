@@ -10,17 +10,28 @@ the ranks of one DSP group is wrong in the other direction (each rank's shard
 comes from another sample).
 
 The guard looks at the first forward through the model. A pre-hook notes
-``dsp_plugin.comm.sharded_calls()`` and a fingerprint of the inputs; the
-post-hook counts the calls the forward made, and one all-gather over all ranks
-(``comm.all_gather_rows``) shares both, so every rank reaches the same verdict
-and raises the same ``DSPGuardError`` before any gradient exists, instead of
-one rank raising while its peers wait in the next collective. Then the hooks
-remove themselves: one small collective per run. ``DSP_DEEPSPEED_GUARD=0``
-turns it off (a model that is fed pre-sharded inputs on purpose).
+``dsp_plugin.comm.sharded_calls()`` and a fingerprint of the inputs (a hash of
+their bytes, dtypes and shapes: it changes under any permutation, and identical
+inputs with NaN hash alike); the post-hook counts the calls the forward made.
+Two small all-gathers share both, so every rank reaches the same verdict and
+raises the same ``DSPGuardError`` before any gradient exists:
+
+1. over the DSP group, in the same format as the primitives' first-call check
+   (``comm.exchange_words``): a rank whose model does shard is waiting there in
+   ``split``'s agreement when a peer's unsharded forward reaches the guard, so
+   the two meet in one all-gather and both raise (the model is DSP-aware on some
+   ranks only) instead of waiting in two different collectives;
+2. over the world, each rank's verdict for its DSP group, so every DSP group is
+   checked and every rank raises when any group is wrong.
+
+Then the hooks remove themselves: two small collectives per run.
+``DSP_DEEPSPEED_GUARD=0`` turns it off (a model that is fed pre-sharded inputs
+on purpose).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -28,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from dsp_plugin.comm import sharded_calls
-from dsp_plugin.deepspeed.comm import all_gather_rows
+from dsp_plugin import checks
+from dsp_plugin.comm import exchange_words, sharded_calls
 from dsp_plugin.topology import Topology
 
 __all__ = ["GUARD_ENV", "DSPGuardError", "input_fingerprint", "install_guard"]
@@ -42,30 +53,32 @@ class DSPGuardError(RuntimeError):
     """The model or the data do not follow DSP's contract; raised identically on every rank."""
 
 
-def input_fingerprint(args: Any, kwargs: Any) -> torch.Tensor:
-    """Three float64 numbers that differ when the forward's tensor inputs differ (count, weighted sums)."""
-    count, first, second = 0.0, 0.0, 0.0
-    for i, leaf in enumerate(x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)):
-        values = leaf.detach().double()
-        count += 1
-        first += (i + 1) * (float(values.sum()) + leaf.numel())
-        second += (i + 1) * float((values * values).sum())
-    return torch.tensor([count, first, second], dtype=torch.float64)
+def input_fingerprint(args: Any, kwargs: Any) -> int:
+    """A signed 64-bit hash of the forward's tensor inputs: their order, dtypes, shapes and bytes.
+
+    Bytes, not sums: a permuted input changes it, and identical inputs with NaN
+    (or inf) give the same hash. Costs one host copy of the inputs, once per run.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    for leaf in tree_leaves((args, kwargs)):
+        if not isinstance(leaf, torch.Tensor):
+            continue
+        data = leaf.detach().reshape(-1).contiguous().cpu()
+        digest.update(f"{data.dtype}{tuple(leaf.shape)};".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    return int.from_bytes(digest.digest(), "little", signed=True)
 
 
-def _ranks_disagreeing(fingerprints: torch.Tensor, dsp_groups: list[list[int]]) -> list[list[int]]:
-    bad = []
-    for ranks in dsp_groups:
-        mine = fingerprints[ranks]
-        if not torch.allclose(mine, mine[0].expand_as(mine), rtol=1e-9, atol=0.0):
-            bad.append(ranks)
-    return bad
-
-
-def _verdict(rows: torch.Tensor, topology: Topology) -> str | None:
-    """The error every rank raises, computed from everyone's row; None if the forward was DSP-aware."""
-    unsharded = [rank for rank, row in enumerate(rows.tolist()) if row[0] == 0]
-    size = topology.dsp
+def _group_verdict(rows: list[list[int]], ranks: list[int], size: int) -> str | None:
+    """This DSP group's error from its members' rows (in group order); None when it is DSP-aware."""
+    elsewhere = [r for r, row in zip(ranks, rows) if row[0] == checks.MAGIC]
+    if elsewhere:
+        here = [r for r, row in zip(ranks, rows) if row[0] != checks.MAGIC]
+        return (f"dsp_plugin.deepspeed: the model is DSP-aware on some ranks only: rank(s) {elsewhere} of DSP group "
+                f"{ranks} are inside a DSP primitive (split / dynamic_switch / gather) while rank(s) {here} "
+                f"finished the first forward without one. Make the same model DSP-aware on every rank "
+                f"(dsp_plugin.models.parallelize(model) on all of them).")
+    unsharded = [r for r, row in zip(ranks, rows) if row[1] == 0]
     if unsharded:
         return (f"dsp_plugin.deepspeed: the config sets 'sequence_parallel_mode': 'dsp' with "
                 f"sequence_parallel_size={size}, but the first forward issued no DSP split or switch on "
@@ -74,12 +87,21 @@ def _verdict(rows: torch.Tensor, topology: Topology) -> str | None:
                 f"DSP-aware before initialize: dsp_plugin.models.parallelize(model) for an STDiT-style model, or "
                 f"call dsp_plugin.split / dynamic_switch / gather in its forward (docs/deepspeed.md, 'From a "
                 f"DeepSpeed script to DSP'); or remove 'sequence_parallel_mode' to train without DSP.")
-    bad = _ranks_disagreeing(rows[:, 1:], topology.layout["dsp"])
-    if bad:
-        return (f"dsp_plugin.deepspeed: the first forward's inputs differ inside DSP group(s) {bad}. The ranks "
+    if any(row[2] != rows[0][2] for row in rows):
+        return (f"dsp_plugin.deepspeed: the first forward's inputs differ inside DSP group(s) [{ranks}]. The ranks "
                 f"of a DSP group must receive the same samples (they split the sequence themselves); use the "
                 f"loader dsp_plugin.deepspeed.initialize returns for training_data, or wrap yours in "
                 f"dsp_plugin.dsp_dataloader. If the inputs are pre-sharded on purpose, set {GUARD_ENV}=0.")
+    return None
+
+
+def _verdict(rows: torch.Tensor | list[list[int]], topology: Topology) -> str | None:
+    """The error every rank raises, from every rank's row ``[magic, calls, fingerprint]`` by global rank."""
+    rows = rows.tolist() if isinstance(rows, torch.Tensor) else rows
+    for ranks in topology.layout["dsp"]:
+        message = _group_verdict([rows[r] for r in ranks], ranks, topology.dsp)
+        if message is not None:
+            return message
     return None
 
 
@@ -105,10 +127,16 @@ def install_guard(module: torch.nn.Module, topology: Topology, *,
     def after(_: torch.nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         for handle in getattr(module, _HANDLES, []):
             handle.remove()
-        issued = float(sharded_calls() - state["calls"])
-        row = torch.cat([torch.tensor([issued], dtype=torch.float64), state["fingerprint"]])
-        rows = all_gather_rows(row.to(device), group=dist.group.WORLD).cpu()
-        message = _verdict(rows, topology)
+        row = [checks.GUARD_MAGIC, sharded_calls() - state["calls"], state["fingerprint"]]
+        ranks = dist.get_process_group_ranks(topology.dsp_group)
+        # 1. the DSP group, in the primitives' check format (a peer may be waiting in split's check)
+        mine = exchange_words(row, group=topology.dsp_group, device=torch.device(device))
+        message = _group_verdict(mine, ranks, topology.dsp)
+        if message is not None and any(r[0] == checks.MAGIC for r in mine):
+            raise DSPGuardError(message)   # that peer raises in its own check: nobody is left waiting
+        # 2. the world: every DSP group's verdict, so every rank stops when any group is wrong
+        world = exchange_words(row, group=dist.group.WORLD, device=torch.device(device))
+        message = _verdict([r[:3] for r in world], topology)
         if message is not None:
             raise DSPGuardError(message)
 

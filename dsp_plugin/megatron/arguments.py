@@ -295,3 +295,34 @@ def check_models_for_dsp_layers() -> None:
 def dsp_enabled(args: argparse.Namespace) -> bool:
     """True when the launch asked for ``--sequence-parallel-mode dsp``."""
     return getattr(args, "sequence_parallel_mode", "none") == "dsp"
+
+
+# --- --load of nothing: refused unless asked for (self-contained; used by launch/pretrain_stdit.py) ---------
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--allow-fresh-start``: let ``--load DIR`` start from scratch when DIR holds no checkpoint."""
+    parser.add_argument("--allow-fresh-start", action="store_true",
+                        help="with --load: start from scratch when the directory holds no checkpoint "
+                             "(default: refuse, since Megatron would silently train from scratch)")
+    return parser
+
+
+def check_load_path(args: argparse.Namespace) -> None:
+    """Refuse ``--load DIR`` when DIR holds no Megatron checkpoint, unless ``--allow-fresh-start``.
+
+    Megatron treats a missing directory or tracker file as "no checkpoint" and
+    trains from scratch with exit status 0; a mistyped path then looks like a
+    resume. Reads only files, so it raises alike on every rank before any collective.
+    """
+    load = getattr(args, "load", None)
+    if not load or getattr(args, "allow_fresh_start", False):
+        return
+    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
+    step = getattr(args, "ckpt_step", None)
+    if os.path.isfile(tracker) or (step is not None and os.path.isdir(os.path.join(load, f"iter_{step:07d}"))):
+        return
+    what = "does not exist" if not os.path.exists(load) else "holds no Megatron checkpoint (no " \
+        "latest_checkpointed_iteration.txt)"
+    raise ValueError(f"--load {load!r} {what}; Megatron would train from scratch. Expected a directory written by "
+                     f"--save; pass --allow-fresh-start to start from scratch when it is empty")

@@ -1,0 +1,93 @@
+"""Issue 16's launch cases: bad arguments stop every rank with a clear error before any collective.
+
+``--frames`` below the DSP size used to kill rank 1 in conv3d on an empty shard
+while rank 0 saw "connection closed"; a DeepSpeed config without (or with a
+misspelled) ``sequence_parallel_mode`` died after minutes in torch's loader
+("batch_size=4.0"); a missing ``--load_dir`` or an unwritable ``--save_dir`` gave
+DeepSpeed's bare assertion; Megatron's ``--load`` of nothing trained from scratch
+with exit 0. Two torchrun runs show the error on both ranks; the rest calls the
+launch's own preflight in this process (it issues no collective by design).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           f"launch/{script}", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _module(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
+def test_train_dsp_frames_below_dsp_size_fails_on_every_rank() -> None:
+    done = _torchrun("train_dsp.py", "--frames", "1", "--steps", "1")
+    text = done.stdout + done.stderr
+    message = "launch/train_dsp.py: --frames=1 is smaller than the DSP size 2"
+    assert done.returncode != 0
+    assert text.count(message) >= 2, text[-3000:]          # both ranks, each its own traceback
+    assert "Kernel size" not in text and "Connection closed" not in text
+
+
+@pytest.mark.slow
+def test_train_deepspeed_frames_below_dsp_size_fails_on_every_rank() -> None:
+    done = _torchrun("train_deepspeed.py", "--deepspeed_config", "launch/ds_config_dsp.json", "--frames", "1")
+    text = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert text.count("launch/train_deepspeed.py: --frames=1 is smaller than the DSP size 2") >= 2, text[-3000:]
+
+
+def _preflight_error(tmp_path: Path, config: dict, **overrides: object) -> str:
+    train = _module("train_deepspeed")
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    args = Namespace(deepspeed_config=str(path), frames=8, size=8, save_dir=None, load_dir=None)
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    with pytest.raises((ValueError, RuntimeError)) as info:
+        train.preflight(args)
+    return str(info.value)
+
+
+def test_train_deepspeed_preflight_names_the_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    good = json.loads((ROOT / "launch" / "ds_config_dsp.json").read_text())
+    missing = {k: v for k, v in good.items() if k != "sequence_parallel_mode"}
+    assert "trains with DSP, but the config has no 'sequence_parallel_mode' key" in _preflight_error(tmp_path, missing)
+    typo = dict(missing, sequence_paralel_mode="dsp")
+    assert "did you mean 'sequence_parallel_mode'" in _preflight_error(tmp_path, typo)
+    assert "--load_dir" in _preflight_error(tmp_path, good, load_dir=str(tmp_path / "nowhere"))
+    (tmp_path / "file").write_text("")
+    assert "cannot be written" in _preflight_error(tmp_path, good, save_dir=str(tmp_path / "file" / "ckpt"))
+
+
+def test_megatron_load_of_nothing_is_refused_unless_asked(tmp_path: Path) -> None:
+    from dsp_plugin.megatron.arguments import check_load_path
+
+    with pytest.raises(ValueError, match="does not exist; Megatron would train from scratch.*--allow-fresh-start"):
+        check_load_path(Namespace(load=str(tmp_path / "nowhere"), allow_fresh_start=False, ckpt_step=None))
+    with pytest.raises(ValueError, match="holds no Megatron checkpoint"):
+        check_load_path(Namespace(load=str(tmp_path), allow_fresh_start=False, ckpt_step=None))
+    check_load_path(Namespace(load=str(tmp_path / "nowhere"), allow_fresh_start=True, ckpt_step=None))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    check_load_path(Namespace(load=str(tmp_path), allow_fresh_start=False, ckpt_step=None))
+    check_load_path(Namespace(load=None, allow_fresh_start=False, ckpt_step=None))
