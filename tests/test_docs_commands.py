@@ -36,3 +36,15 @@ def test_latency_command_writes_its_table_and_plot(tmp_path: Path) -> None:
         cells = [c.strip() for c in r.split("|")[1:-1]]
         assert cells[3] == cells[4], r
     assert png.stat().st_size > 0
+
+
+def test_scale_only_prints_its_tables_without_matplotlib(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "from dsp_plugin.bench.__main__ import main\n"
+            f"sys.exit(main(['--scale-only', '--out', {str(tmp_path)!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "| Fig 8: DSP has the lowest inference latency" in out.stdout
+    assert "matplotlib is not installed (pip install 'dsp_plugin[bench]')" in out.stderr
+    assert (tmp_path / "scale_model.md").exists() and not (tmp_path / "scale_model.png").exists()
