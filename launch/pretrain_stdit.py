@@ -59,7 +59,18 @@ ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer", "vocab_size": 1}
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """DSP options (the flag) plus the latent video geometry of the synthetic data."""
-    return add_model_arguments(add_dsp_arguments(parser))
+    return escape_help_percents(add_model_arguments(add_dsp_arguments(parser)))
+
+
+def escape_help_percents(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--help`` formats every help string with ``%``; megatron-core has a bare one ("10%") that crashes it."""
+    import re
+
+    for action in parser._actions:
+        if action.help and action.help is not argparse.SUPPRESS:
+            # keep "%%" and "%(default)s"; double a bare "%"
+            action.help = re.sub(r"%(%|\(\w+\)[a-z])?", lambda m: m.group(0) if m.group(1) else "%%", action.help)
+    return parser
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None,
@@ -108,6 +119,7 @@ def cpu_pretrain(args: argparse.Namespace) -> list[float]:
     from dsp_plugin.megatron.cpu import install_cuda_shim
     from dsp_plugin.megatron.flops import num_floating_point_operations
     from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
+    from dsp_plugin.steplog import log_first_call
     from dsp_plugin.topology import set_topology
 
     needs_cuda = [flag for flag, on in (("--use-distributed-optimizer", args.use_distributed_optimizer),
@@ -140,12 +152,13 @@ def cpu_pretrain(args: argparse.Namespace) -> list[float]:
         first = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0 \
             and ps.get_context_parallel_rank() == 0
         iteration = args.iteration
+        logged_step = log_first_call(train_step, log=print_rank_0)  # groups, all-to-alls, bytes of step 1
         if iteration >= args.train_iters:
             print_rank_0(f"> the checkpoint is at iteration {iteration} >= --train-iters {args.train_iters}: "
                          "nothing to train (raise --train-iters to go on)")
         while iteration < args.train_iters:
             start = time.time()
-            loss_dict, *_ = train_step(forward_step, train_iter, model, optimizer, scheduler, config,
+            loss_dict, *_ = logged_step(forward_step, train_iter, model, optimizer, scheduler, config,
                                        get_forward_backward_func(), iteration=iteration)
             iteration += 1
             args.curr_iteration = iteration

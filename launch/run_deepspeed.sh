@@ -9,6 +9,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+for arg in "$@"; do   # one help, not one per process: the knobs above, then the script's options
+  if [[ "$arg" == -h || "$arg" == --help ]]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    echo
+    if [ -x .venv/bin/python ]; then export PATH="$PWD/.venv/bin:$PATH"; fi
+    exec "${PYTHON:-python}" launch/train_deepspeed.py --help
+  fi
+done
+
 NPROC=${NPROC:-4}
 DSP=${DSP:-2}
 ZERO=${ZERO:-2}

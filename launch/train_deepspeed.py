@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsp_plugin.deepspeed import initialize  # DSP (was: deepspeed.initialize)
 from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+from dsp_plugin.steplog import log_first_call
 
 
 def synthetic_dataset(samples: int, frames: int, size: int, seed: int = 7) -> torch.utils.data.TensorDataset:
@@ -72,20 +73,26 @@ def main() -> None:
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.half if engine.fp16_enabled() else torch.float32
     batches = iter(loader)
     losses = []
+
+    def micro_step(batch: list[torch.Tensor]) -> torch.Tensor:
+        latents, timestep, text, target = (t.to(engine.device) for t in batch)
+        prediction = engine(latents.to(dtype), timestep, text.to(dtype))
+        loss = torch.nn.functional.mse_loss(prediction.float(), target)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    # rank 0 logs the DSP groups and the first micro-step's all-to-alls and bytes
+    micro_step = log_first_call(micro_step, log=print if rank == 0 else lambda line: None)
     for step in range(1, args.steps + 1):
-        total = torch.zeros(())
+        total = torch.zeros((), device=engine.device)
         for _ in range(gas):
             try:
                 batch = next(batches)
             except StopIteration:  # next epoch: the loader reshuffles
                 batches = iter(loader)
                 batch = next(batches)
-            latents, timestep, text, target = batch
-            prediction = engine(latents.to(dtype), timestep, text.to(dtype))
-            loss = torch.nn.functional.mse_loss(prediction.float(), target)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / gas
+            total += micro_step(batch) / gas
         # Mean over data-parallel replicas (DSP ranks of a group hold the same loss).
         deepspeed.comm.all_reduce(total, group=engine.mpu.get_data_parallel_group())
         losses.append(total.item() / engine.mpu.get_data_parallel_world_size())
