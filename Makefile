@@ -8,7 +8,9 @@ STEPS ?= 8
 
 setup: $(VENV)/.installed
 
+# Re-run when pyproject.toml, constraints.txt or the script are newer than the last install (it says so).
 $(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
+	@if [ -e $@ ]; then echo "make: $? changed since the last install into $(VENV): re-running setup"; fi
 	bash scripts/setup.sh $(VENV)
 
 # DSP on NPROC gloo processes, then the same run on one process, losses side by side.
