@@ -69,8 +69,8 @@ def measure(nprocs: list[int], shape: dict[str, int]) -> list[dict[str, Any]]:
 def fit(rows: list[dict[str, Any]]) -> tuple[float, float]:
     """``(a, b)`` of ``saved(N) = a * V / N + b`` through the smallest and largest N."""
     lo, hi = rows[0], rows[-1]
-    if lo["n"] == hi["n"]:
-        return lo["saved_bytes"] / lo["video_tokens"], 0.0
+    if lo["n"] == hi["n"]:      # one size measured: no replicated part can be told apart
+        return lo["saved_bytes"] / (lo["video_tokens"] / lo["n"]), 0.0
     x_lo, x_hi = lo["video_tokens"] / lo["n"], hi["video_tokens"] / hi["n"]
     a = (lo["saved_bytes"] - hi["saved_bytes"]) / (x_lo - x_hi)
     return a, lo["saved_bytes"] - a * x_lo
