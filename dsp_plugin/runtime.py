@@ -79,7 +79,8 @@ def init_distributed(*, timeout_s: float = 120, **init_kwargs: object) -> Runtim
     rt = choose(local_rank=init_kwargs.pop("local_rank", None))  # type: ignore[arg-type]
     if rt.device.type == "cuda":
         torch.cuda.set_device(rt.device)
-    dist.init_process_group(rt.backend, timeout=datetime.timedelta(seconds=timeout_s), **init_kwargs)  # type: ignore[arg-type]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(rt.backend, timeout=timeout, **init_kwargs)  # type: ignore[arg-type]
     return rt
 
 

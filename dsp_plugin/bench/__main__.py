@@ -33,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m dsp_plugin.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=4, choices=(2, 4), help="ranks (default 4)")
-    parser.add_argument("--quick", action="store_true", help="tiny model, 10 timed steps (1-3 minutes on 2 CPU cores; progress on stderr)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model, 10 timed steps (1-3 minutes on 2 CPU cores; progress on stderr)")
     parser.add_argument("--out", type=Path, default=Path("bench_out"), help="output folder (default bench_out/)")
     parser.add_argument("--methods", default=",".join(METHODS),
                         help=f"comma-separated subset of {','.join(METHODS)}")
