@@ -15,8 +15,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
 
 # DSP on NPROC gloo processes, then the same run on one process, losses side by side.
 train: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) launch/train_dsp.py --steps $(STEPS) --out out/dsp.json
-	OMP_NUM_THREADS=1 $(PY) launch/train_dsp.py --steps $(STEPS) --compare out/dsp.json
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m dsp_plugin.launch.train_dsp --steps $(STEPS) --out out/dsp.json
+	OMP_NUM_THREADS=1 $(PY) -m dsp_plugin.launch.train_dsp --steps $(STEPS) --compare out/dsp.json
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

@@ -6,7 +6,7 @@
 # e.g.  NPROC=4 DSP=2 ZERO=3 ./launch/run_deepspeed.sh --save_dir /tmp/ckpt --save_at 5
 #       NPROC=2 DSP=2 ZERO=3 PRECISION=bf16 ./launch/run_deepspeed.sh --losses_json /tmp/bf16.json
 # (fp16 needs a GPU: DeepSpeed's CPU accelerator refuses it without mkldnn fp16.)
-# Extra arguments go to launch/train_deepspeed.py. CPU + gloo unless DeepSpeed finds an accelerator.
+# Extra arguments go to dsp_plugin/launch/train_deepspeed.py. CPU + gloo unless DeepSpeed finds an accelerator.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,7 +15,7 @@ for arg in "$@"; do   # one help, not one per process: the knobs above, then the
     sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
     echo
     if [ -x .venv/bin/python ]; then export PATH="$PWD/.venv/bin:$PATH"; fi
-    exec "${PYTHON:-python}" launch/train_deepspeed.py --help
+    exec "${PYTHON:-python}" -m dsp_plugin.launch.train_deepspeed --help
   fi
 done
 
@@ -55,9 +55,10 @@ if precision != "fp32":
 json.dump(config, open(dst, "w"), indent=1)
 PY
 
-ARGS=(launch/train_deepspeed.py --deepspeed_config "$RUN_CONFIG" --steps "$STEPS" "$@")
+ARGS=(dsp_plugin.launch.train_deepspeed --deepspeed_config "$RUN_CONFIG" --steps "$STEPS" "$@")
 case "$LAUNCHER" in
-  deepspeed) deepspeed ${HOSTFILE:+--hostfile "$HOSTFILE"} --num_gpus "$NPROC" --master_port "$PORT" "${ARGS[@]}" ;;
-  torchrun)  torchrun --nproc_per_node "$NPROC" --master_port "$PORT" "${ARGS[@]}" ;;
+  deepspeed) deepspeed ${HOSTFILE:+--hostfile "$HOSTFILE"} --num_gpus "$NPROC" --master_port "$PORT" \
+               --module "${ARGS[@]}" ;;
+  torchrun)  torchrun --nproc_per_node "$NPROC" --master_port "$PORT" -m "${ARGS[@]}" ;;
   *) echo "LAUNCHER must be deepspeed or torchrun, got '$LAUNCHER'" >&2; exit 2 ;;
 esac

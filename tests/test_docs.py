@@ -109,6 +109,7 @@ TINY_MEGATRON = (("ITERS=6", "ITERS=2"), ("^", "ITERS=2 "))
 RULES: list[Rule] = [
     # ---- recursion, installs, GPU, several nodes -------------------------------------------------------------
     Rule(r":make test", "skip", "the test suite itself"),
+    Rule(r":inline:.*<\w+>", "skip", "a pattern with a placeholder (<name>), not a command"),
     Rule(r":pip install", "skip", "installs into the environment; tests/test_install.py checks the package"),
     Rule(r"IMPL=transformer_engine|FP8=", "check", "needs a GPU with Transformer Engine"),
     Rule(r"NNODES=2|--nnodes 2|HOSTFILE=|sbatch ", "check", "needs several nodes"),
@@ -118,10 +119,13 @@ RULES: list[Rule] = [
     # ---- the main job --------------------------------------------------------------------------------------------
     Rule(r":DSP_CHECK=1 make train", "check", "tests/test_cross_rank.py runs every DSP_CHECK mode; make train "
          "itself runs below"),
+    Rule(r":inline:torchrun --nproc-per-node 4 -m dsp_plugin\.launch\.train_dsp$", "check",
+         "what make train runs (below), with 4 processes"),
     Rule(r":(NPROC=2 STEPS=20 )?make train", "run", "",
          ((r"^(NPROC=2 STEPS=20 )?make train.*", "make -o .venv/.installed NPROC=2 STEPS=2 train"),),
          expect="largest difference: 0.00e+00"),
-    Rule(r"python launch/train_dsp\.py --help", "run", expect="--frames"),
+    Rule(r"python -m dsp_plugin\.launch\.train_dsp --help", "run", subs=((r"^python", sys.executable),),
+         expect="--frames"),
     # ---- Megatron --------------------------------------------------------------------------------------------
     Rule(r"^README\.md:bash:NPROC=2 DSP=2 EVAL_ITERS=2 EVAL_INTERVAL=2 \./launch/run_megatron\.sh", "covered",
          tests=("tests/test_megatron_launch.py::test_evaluation_prints_megatron_validation_loss",)),
@@ -137,7 +141,7 @@ RULES: list[Rule] = [
     # ---- DeepSpeed -------------------------------------------------------------------------------------------
     Rule(r"^README\.md:bash:NPROC=2 DSP=2 ZERO=3 PRECISION=bf16 \./launch/run_deepspeed\.sh", "covered",
          tests=("tests/test_deepspeed_launch.py::test_bf16_zero3_through_run_deepspeed_sh",)),
-    Rule(r"run_deepspeed\.sh|deepspeed --num_gpus|launch/train_deepspeed\.py", "check",
+    Rule(r"run_deepspeed\.sh|deepspeed --num_gpus|launch[/.]train_deepspeed", "check",
          "tests/test_deepspeed_launch.py runs both launchers and bf16 ZeRO-3 through run_deepspeed.sh"),
     Rule(r"docs/deepspeed\.md:python", "skip", "a fragment of launch/train_deepspeed.py (the lines DSP changes); "
          "the whole script runs above"),
@@ -145,10 +149,12 @@ RULES: list[Rule] = [
          tests=("tests/test_deepspeed_convention.py", "tests/test_deepspeed_gradients.py")),
     Rule(r"docs/deepspeed\.md:json", "run"),
     # ---- sampling --------------------------------------------------------------------------------------------
-    Rule(r"^README\.md:bash:\.venv/bin/torchrun --nproc-per-node 2 launch/sample_latte\.py", "run",
+    Rule(r"^README\.md:bash:\.venv/bin/torchrun --nproc-per-node 2 -m dsp_plugin\.launch\.sample_latte",
+         "run",
          subs=(("out/video.pt", "{tmp}/video.pt"), ("--out", "--frames 3 --steps 1 --layers 1 --out")),
          expect="wrote"),
-    Rule(r"launch/sample_latte\.py", "check", "tests/test_sampling_launch.py runs these on 1, 2 and 4 processes"),
+    Rule(r"dsp_plugin\.launch\.sample_latte", "check",
+         "tests/test_sampling_launch.py runs these on 1, 2 and 4 processes"),
     Rule(r"docs/(models|inference)\.md:python", "covered",
          tests=("tests/test_adapters_docs.py::test_python_blocks_run",)),
     Rule(r"pytest -s tests/test_sampling_latte\.py", "covered", tests=("tests/test_sampling_latte.py",)),
@@ -196,15 +202,16 @@ def _env() -> dict[str, str]:
 @functools.cache
 def _help(script: str) -> str:
     """``--help`` of a launched script, whose flags the doc lines may use."""
-    out = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, cwd=ROOT, env=_env(),
-                         timeout=180)
+    out = subprocess.run([sys.executable, "-m", script, "--help"], capture_output=True, text=True, cwd=ROOT,
+                         env=_env(), timeout=180)
     assert out.returncode == 0, f"{script} --help failed: {out.stderr[-2000:]}"
     return out.stdout
 
 
-_LAUNCHED = {"run_megatron.sh": "launch/pretrain_stdit.py", "run_deepspeed.sh": "launch/train_deepspeed.py",
-             "launch/train_deepspeed.py": "launch/train_deepspeed.py", "launch/sample_latte.py": "launch/sample_latte.py",
-             "launch/train_dsp.py": "launch/train_dsp.py", "launch/pretrain_stdit.py": "launch/pretrain_stdit.py"}
+_LAUNCHED = {"run_megatron.sh": "dsp_plugin.launch.pretrain_stdit",
+             "run_deepspeed.sh": "dsp_plugin.launch.train_deepspeed",
+             **{f"dsp_plugin.launch.{n}": f"dsp_plugin.launch.{n}"
+                for n in ("train_deepspeed", "sample_latte", "train_dsp", "pretrain_stdit")}}
 _ENV_READERS = {"DSP_CHECK": "dsp_plugin/checks.py", "DSP_BACKEND": "dsp_plugin/runtime.py"}
 
 
@@ -238,10 +245,9 @@ def check_line(item: Item) -> None:
         parse_args(words[words.index("dsp_plugin.bench") + 1:])
         return
     if "dsp_plugin.bench.switch" in text:
-        target = "-m dsp_plugin.bench.switch"
+        target = "dsp_plugin.bench.switch"
     if target and flags:
-        help_text = _help(target) if not target.startswith("-m") else subprocess.run(
-            [sys.executable, *target.split(), "--help"], capture_output=True, text=True, cwd=ROOT, env=_env()).stdout
+        help_text = _help(target)
         missing = [f for f in flags if f not in help_text]
         assert not missing, f"{item.where}: {missing} not in {target} --help"
 

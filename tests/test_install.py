@@ -98,3 +98,15 @@ def test_wheel_declares_the_core_and_ships_the_license(wheel):
         names = z.namelist()
     assert any(n.endswith("licenses/LICENSE") for n in names), names
     assert not any(n.startswith("tests/") for n in names)
+
+
+def test_wheel_installs_the_launches(wheel):
+    """A pip user trains, samples and benchmarks without a clone: modules and console scripts."""
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        entry = z.read(next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    for module in ("train_dsp", "sample_latte", "train_deepspeed", "pretrain_stdit"):
+        assert f"dsp_plugin/launch/{module}.py" in names
+        assert f"dsp_plugin.launch.{module}:main" in entry
+    assert "dsp-train = dsp_plugin.launch.train_dsp:main" in entry
+    assert "dsp-bench = dsp_plugin.bench.__main__:main" in entry

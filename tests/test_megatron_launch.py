@@ -1,7 +1,7 @@
 """The real launch: ``launch/run_megatron.sh`` -> torchrun -> megatron.training argument parsing,
 ``initialize_megatron``, Megatron DDP, optimizer, samplers, schedules, checkpointing and evaluation (gloo).
 
-Without a GPU the script takes ``cpu_pretrain`` (see launch/pretrain_stdit.py). One
+Without a GPU the script takes ``cpu_pretrain`` (see dsp_plugin/launch/pretrain_stdit.py). One
 DSP=2 run logs the single-process losses (measured once, recorded below), prints Megatron's validation loss with
 ``--eval-iters 2 --eval-interval 2`` and saves a torch_dist checkpoint at iteration 2;
 a DSP=4 run resumes from it (another DSP size) and logs the same iteration-3 loss.
@@ -58,11 +58,7 @@ def test_resume_at_another_dsp_size(dsp2: tuple) -> None:
 
 def test_a_run_that_exits_without_error_status_is_a_failure() -> None:
     """Megatron's loader calls ``sys.exit()`` (status 0) on some errors; the launch turns that into one."""
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        from pretrain_stdit import exit_is_failure
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
+    from dsp_plugin.launch.pretrain_stdit import exit_is_failure
     with pytest.raises(RuntimeError, match="called sys.exit\\(\\) without an error status"):
         with exit_is_failure("loading the checkpoint"):
             sys.exit()

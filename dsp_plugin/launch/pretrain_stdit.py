@@ -1,6 +1,6 @@
 """Pretrain the spatial-temporal DiT on synthetic video latents with megatron.training and DSP.
 
-    torchrun --nproc-per-node 4 launch/pretrain_stdit.py --sequence-parallel-mode dsp --dsp-size 4 ...
+    torchrun --nproc-per-node 4 -m dsp_plugin.launch.pretrain_stdit --sequence-parallel-mode dsp --dsp-size 4 ...
 
 (``launch/run_megatron.sh`` fills in the rest from environment variables.)
 
@@ -32,11 +32,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 import time
 from collections.abc import Iterator
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from megatron.core.enums import ModelType  # noqa: E402

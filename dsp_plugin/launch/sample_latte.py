@@ -1,6 +1,6 @@
 """Sample a video with diffusers' LattePipeline on N processes, latents sharded over DSP.
 
-    torchrun --nproc-per-node 4 launch/sample_latte.py --frames 7 --steps 4 --cfg-parallel --out video.pt
+    torchrun --nproc-per-node 4 -m dsp_plugin.launch.sample_latte --frames 7 --steps 4 --cfg-parallel --out video.pt
 
 Builds a tiny random-weight pipeline (nothing is downloaded) or loads a local
 one (``--pretrained DIR``, diffusers' ``from_pretrained``), samples with

@@ -6,8 +6,8 @@ config carries the key (``launch/ds_config_dsp.json``), ``initialize`` comes fro
 this STDiT). Precision follows the config (``"bf16"``/``"fp16"``): inputs are
 cast to the parameters' dtype and the loss is taken in fp32::
 
-    deepspeed --num_gpus 4 launch/train_deepspeed.py --deepspeed_config launch/ds_config_dsp.json
-    torchrun --standalone --nproc_per_node 4 launch/train_deepspeed.py --deepspeed_config launch/ds_config_dsp.json
+    deepspeed --num_gpus 4 --module dsp_plugin.launch.train_deepspeed --deepspeed_config launch/ds_config_dsp.json
+    torchrun --standalone --nproc_per_node 4 -m dsp_plugin.launch.train_deepspeed --deepspeed_config launch/ds_config_dsp.json
 
 Prints ``step N loss X`` (mean over data-parallel replicas) on rank 0.
 ``--save_dir``/``--save_at`` write an engine checkpoint with the data loader's
@@ -20,15 +20,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.deepspeed import initialize  # DSP (was: deepspeed.initialize)
 from dsp_plugin.models import STDiT, STDiTConfig, parallelize
 from dsp_plugin.steplog import log_first_call
@@ -94,8 +92,7 @@ def main() -> None:
                 batch = next(batches)
             total += micro_step(batch) / gas
         # Mean over data-parallel replicas (DSP ranks of a group hold the same loss).
-        deepspeed.comm.all_reduce(total, group=engine.mpu.get_data_parallel_group())
-        losses.append(total.item() / engine.mpu.get_data_parallel_world_size())
+        losses.append(all_reduce_mean(total, group=engine.mpu.get_data_parallel_group()).item())
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
         if args.save_dir and args.save_at == step:

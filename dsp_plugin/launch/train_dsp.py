@@ -1,7 +1,7 @@
 """Train the tiny STDiT with DSP on synthetic video latents; the README's main job.
 
-    torchrun --standalone --nproc-per-node 4 launch/train_dsp.py --out out/dsp.json
-    python launch/train_dsp.py --out out/single.json --compare out/dsp.json
+    torchrun --standalone --nproc-per-node 4 -m dsp_plugin.launch.train_dsp --out out/dsp.json
+    python -m dsp_plugin.launch.train_dsp --out out/single.json --compare out/dsp.json
 
 Every rank logs nothing but rank 0, which prints per step: the loss, the step
 time, and the all-to-all bytes this rank sent per layer (forward, backward) beside

@@ -137,7 +137,7 @@ def check_model_options(args: argparse.Namespace, dsp: int) -> None:
     """Options the DSP layers do not support, and shard shapes the chosen kernels cannot take.
 
     The geometry checks use ``--num-frames``/``--latent-height``/``--latent-width`` when the
-    launch defines them (``launch/pretrain_stdit.py`` does); a user's own launch without
+    launch defines them (``dsp_plugin/launch/pretrain_stdit.py`` does); a user's own launch without
     them is checked for the options only.
     """
     if getattr(args, "sequence_parallel", False):
