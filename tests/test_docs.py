@@ -132,7 +132,7 @@ RULES: list[Rule] = [
     Rule(r"run_megatron\.sh", "check", "tests/test_megatron_launch.py runs the launch (DSP=2, eval, resume); "
          "tests/test_megatron_parallel.py the TP/PP/DP layouts and recompute"),
     Rule(r":python:.*parse_and_validate_args", "skip", "a fragment: Megatron's required arguments come from the "
-         "command line, as launch/pretrain_stdit.py (run above) takes them"),
+         "command line, as dsp_plugin/launch/pretrain_stdit.py takes them (its --help runs here)"),
     Rule(r":python:.*TransformerBlock\(config, dsp_layer_spec", "covered",
          tests=("tests/test_megatron_example.py::test_documented_own_model_example_dsp2_equals_dsp1",)),
     Rule(r"pytest tests/test_megatron", "covered", tests=("tests/test_megatron_parallel.py",
@@ -141,10 +141,11 @@ RULES: list[Rule] = [
     # ---- DeepSpeed -------------------------------------------------------------------------------------------
     Rule(r"^README\.md:bash:NPROC=2 DSP=2 ZERO=3 PRECISION=bf16 \./launch/run_deepspeed\.sh", "covered",
          tests=("tests/test_deepspeed_launch.py::test_bf16_zero3_through_run_deepspeed_sh",)),
+    Rule(r"run_deepspeed\.sh --help", "run", expect="HOSTFILE"),
     Rule(r"run_deepspeed\.sh|deepspeed --num_gpus|launch[/.]train_deepspeed", "check",
          "tests/test_deepspeed_launch.py runs both launchers and bf16 ZeRO-3 through run_deepspeed.sh"),
-    Rule(r"docs/deepspeed\.md:python", "skip", "a fragment of launch/train_deepspeed.py (the lines DSP changes); "
-         "the whole script runs above"),
+    Rule(r"docs/deepspeed\.md:python", "skip", "a fragment of dsp_plugin/launch/train_deepspeed.py (the lines DSP "
+         "changes); the whole script runs in tests/test_deepspeed_launch.py"),
     Rule(r"python -m tests\.test_deepspeed_(convention|gradients)|pytest tests/test_deepspeed", "covered",
          tests=("tests/test_deepspeed_convention.py", "tests/test_deepspeed_gradients.py")),
     Rule(r"docs/deepspeed\.md:json", "run"),
