@@ -8,13 +8,15 @@ STEPS ?= 8
 
 setup: $(VENV)/.installed
 
+# Re-run when pyproject.toml, constraints.txt or the script are newer than the last install (it says so).
 $(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
+	@if [ -e $@ ]; then echo "make: $? changed since the last install into $(VENV): re-running setup"; fi
 	bash scripts/setup.sh $(VENV)
 
 # DSP on NPROC gloo processes, then the same run on one process, losses side by side.
 train: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) launch/train_dsp.py --steps $(STEPS) --out out/dsp.json
-	OMP_NUM_THREADS=1 $(PY) launch/train_dsp.py --steps $(STEPS) --compare out/dsp.json
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m dsp_plugin.launch.train_dsp --steps $(STEPS) --out out/dsp.json
+	OMP_NUM_THREADS=1 $(PY) -m dsp_plugin.launch.train_dsp --steps $(STEPS) --compare out/dsp.json
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

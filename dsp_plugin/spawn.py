@@ -38,7 +38,7 @@ def _meet(store: Any, name: str, rank: int, world_size: int, timeout: datetime.t
 
 
 def _rank_main(fn: Callable[..., Any] | str, rank: int, world_size: int, init_file: str, results: Any,
-               args: tuple[Any, ...], collective_timeout_s: float, final_barrier: bool) -> None:
+               args: tuple[Any, ...], collective_timeout_s: float, final_barrier: bool, backend: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -49,8 +49,15 @@ def _rank_main(fn: Callable[..., Any] | str, rank: int, world_size: int, init_fi
         if isinstance(fn, str):  # "module:function", imported in the ranks only
             module, _, name = fn.partition(":")
             fn = getattr(importlib.import_module(module), name)
+        if backend == "auto":  # NCCL and GPU ``rank`` when CUDA is present (dsp_plugin.runtime)
+            from dsp_plugin.runtime import choose
+
+            chosen = choose(local_rank=rank)
+            if chosen.device.type == "cuda":
+                torch.cuda.set_device(chosen.device)
+            backend = chosen.backend
         store = dist.FileStore(init_file, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             _meet(store, "started", rank, world_size, timeout)
             failure: BaseException | None = None
@@ -77,13 +84,15 @@ def _rank_main(fn: Callable[..., Any] | str, rank: int, world_size: int, init_fi
 
 
 def spawn(fn: Callable[..., Any] | str, world_size: int, *args: Any, timeout: float = 600,
-          collective_timeout_s: float = 60, final_barrier: bool = True) -> list[Any]:
+          collective_timeout_s: float = 60, final_barrier: bool = True, backend: str = "gloo") -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return the values by rank.
 
     ``fn`` is a module-level function or a ``"module:function"`` string; its
     arguments and return value must pickle. ``final_barrier=False`` is for runs
     that leave a rank stuck in a collective on purpose: the others must leave at
-    once so the stuck one sees its peers gone.
+    once so the stuck one sees its peers gone. ``backend="auto"`` lets
+    ``dsp_plugin.runtime.choose`` pick NCCL and GPU ``rank`` when CUDA is present
+    (the benches); the tests keep gloo.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -93,7 +102,7 @@ def spawn(fn: Callable[..., Any] | str, world_size: int, *args: Any, timeout: fl
         init_file = os.path.join(tmp, "store")
         # not daemonic: a rank may start DataLoader workers; stragglers are killed below
         procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, init_file, results, args,
-                                                      collective_timeout_s, final_barrier))
+                                                      collective_timeout_s, final_barrier, backend))
                  for r in range(world_size)]
         for p in procs:
             p.start()

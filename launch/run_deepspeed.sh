@@ -2,13 +2,23 @@
 # Train the tiny STDiT with DeepSpeed + DSP. Knobs (environment, with defaults):
 #   NPROC=4 DSP=2 ZERO=2 PRECISION=fp32|bf16|fp16 STEPS=10 LAUNCHER=deepspeed|torchrun PORT=29500
 #   CONFIG=launch/ds_config_dsp.json
+#   HOSTFILE=hostfile (deepspeed launcher on several nodes: lines "node0 slots=8"; NPROC is per node)
 # e.g.  NPROC=4 DSP=2 ZERO=3 ./launch/run_deepspeed.sh --save_dir /tmp/ckpt --save_at 5
 #       NPROC=2 DSP=2 ZERO=3 PRECISION=bf16 ./launch/run_deepspeed.sh --losses_json /tmp/bf16.json
 # (fp16 needs a GPU: DeepSpeed's CPU accelerator refuses it without mkldnn fp16.)
-# Extra arguments go to launch/train_deepspeed.py (e.g. --timeout 30: seconds a collective waits for a
-# dead or frozen peer, default 120). CPU + gloo unless DeepSpeed finds an accelerator.
+# Extra arguments go to dsp_plugin/launch/train_deepspeed.py (e.g. --timeout 30: seconds a collective waits
+# for a dead or frozen peer, default 120). CPU + gloo unless DeepSpeed finds an accelerator.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+for arg in "$@"; do   # one help, not one per process: the knobs above, then the script's options
+  if [[ "$arg" == -h || "$arg" == --help ]]; then
+    sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'
+    echo
+    if [ -x .venv/bin/python ]; then export PATH="$PWD/.venv/bin:$PATH"; fi
+    exec "${PYTHON:-python}" -m dsp_plugin.launch.train_deepspeed --help
+  fi
+done
 
 NPROC=${NPROC:-4}
 DSP=${DSP:-2}
@@ -29,7 +39,9 @@ case "$PRECISION" in
 esac
 
 # The config with this run's DSP size, ZeRO stage and precision; the key itself comes from CONFIG.
-RUN_CONFIG=$(mktemp --suffix=.json)
+# Written inside the checkout (out/), which multi-node runs share: every node reads the same file.
+mkdir -p out
+RUN_CONFIG=$(mktemp -p "$PWD/out" ds_config_run.XXXXXX.json)
 trap 'rm -f "$RUN_CONFIG"' EXIT
 "$PYTHON" - "$CONFIG" "$DSP" "$ZERO" "$PRECISION" "$RUN_CONFIG" <<'PY'
 import json, sys
@@ -44,9 +56,10 @@ if precision != "fp32":
 json.dump(config, open(dst, "w"), indent=1)
 PY
 
-ARGS=(launch/train_deepspeed.py --deepspeed_config "$RUN_CONFIG" --steps "$STEPS" "$@")
+ARGS=(dsp_plugin.launch.train_deepspeed --deepspeed_config "$RUN_CONFIG" --steps "$STEPS" "$@")
 case "$LAUNCHER" in
-  deepspeed) deepspeed --num_gpus "$NPROC" --master_port "$PORT" "${ARGS[@]}" ;;
-  torchrun)  torchrun --nproc_per_node "$NPROC" --master_port "$PORT" "${ARGS[@]}" ;;
+  deepspeed) deepspeed ${HOSTFILE:+--hostfile "$HOSTFILE"} --num_gpus "$NPROC" --master_port "$PORT" \
+               --module "${ARGS[@]}" ;;
+  torchrun)  torchrun --nproc_per_node "$NPROC" --master_port "$PORT" -m "${ARGS[@]}" ;;
   *) echo "LAUNCHER must be deepspeed or torchrun, got '$LAUNCHER'" >&2; exit 2 ;;
 esac

@@ -12,7 +12,7 @@
 #   MASTER_PORT=29600 ./launch/run_megatron.sh                    # rendezvous port (default: a free one)
 #
 # Extra Megatron arguments pass through: ./launch/run_megatron.sh --log-interval 1
-# On a machine without CUDA the same command runs on gloo (see launch/pretrain_stdit.py).
+# On a machine without CUDA the same command runs on gloo (see dsp_plugin/launch/pretrain_stdit.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,7 +44,7 @@ IMPL=${IMPL:-local}          # --transformer-impl: local | transformer_engine
 FP8=${FP8:-}                 # --fp8-format (e4m3 | hybrid), GPU + TE only
 SEED=${SEED:-1234}
 PYTHON=${PYTHON:-.venv/bin/python}
-SCRIPT=${SCRIPT:-launch/pretrain_stdit.py}  # the training script (same arguments)
+SCRIPT=${SCRIPT:--m dsp_plugin.launch.pretrain_stdit}  # what torchrun runs: a file, or -m module
 
 if [[ -z "$MASTER_PORT" ]]; then  # a free port, so that two launches on one machine do not clash
     if (( NNODES > 1 )); then echo "run_megatron.sh: set MASTER_PORT (the same on every node)" >&2; exit 2; fi
@@ -86,4 +86,4 @@ if [[ -n "$FP8" ]]; then ARGS+=(--fp8-format "$FP8"); fi
 
 exec "$PYTHON" -m torch.distributed.run --nnodes "$NNODES" --node-rank "$NODE_RANK" --nproc-per-node "$NPROC" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-    "$SCRIPT" "${ARGS[@]}" "$@"
+    $SCRIPT "${ARGS[@]}" "$@"

@@ -123,7 +123,7 @@ def reference_run(steps: int, variant: str = "plain") -> dict[str, Any]:
 
 def parse_error(argv: list[str], world_size: int, *, launch: bool = False) -> str:
     """Megatron's argument parsing with the DSP provider (``launch``: and the launch's model options,
-    as ``launch/pretrain_stdit.py``) on this rank; the error it raises, or ''."""
+    as ``dsp_plugin/launch/pretrain_stdit.py``) on this rank; the error it raises, or ''."""
     import os
     import sys
 

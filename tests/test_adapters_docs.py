@@ -1,7 +1,7 @@
 """The runnable lines of docs/models.md and docs/inference.md run as printed.
 
 Python blocks are executed in one process. Shell lines that launch
-``launch/sample_latte.py`` are parsed with the script's own argument parser here
+``dsp_plugin.launch.sample_latte`` are parsed with the script's own argument parser here
 (``tests/test_sampling_launch.py`` runs the same launches on 1, 2 and 4 processes).
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import re
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
@@ -33,15 +32,12 @@ def test_python_blocks_run(doc: str) -> None:
 
 
 def test_sample_latte_lines_parse() -> None:
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        import sample_latte
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
+    from dsp_plugin.launch import sample_latte
+
     lines = [line for block in _blocks("docs/inference.md", "bash") for line in block.splitlines()
-             if "launch/sample_latte.py" in line]
+             if "dsp_plugin.launch.sample_latte" in line]
     assert len(lines) == 4
     for line in lines:
         words = shlex.split(line)
-        args = sample_latte.parse_args(words[words.index("launch/sample_latte.py") + 1:])
+        args = sample_latte.parse_args(words[words.index("dsp_plugin.launch.sample_latte") + 1:])
         assert args.frames == 7

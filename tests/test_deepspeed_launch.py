@@ -1,6 +1,6 @@
 """The launch script under DeepSpeed's own launcher, unchanged, against a single-process run.
 
-``deepspeed --num_gpus 2 launch/train_deepspeed.py --deepspeed_config ...`` on
+``deepspeed --num_gpus 2 --module dsp_plugin.launch.train_deepspeed --deepspeed_config ...`` on
 CPU (gloo), DSP=2, ZeRO-0, three steps: rank 0's loss curve must equal the same
 training in one process (fp32, 1e-5). Checks the argument plumbing
 (``--local_rank``, ``--deepspeed_config``), the config key, the data loader and
@@ -31,7 +31,8 @@ BF16_LOSS_REL = 1e-2     # per step, relative to the fp32 single-process loss
 
 
 def _train_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("train_deepspeed", ROOT / "launch" / "train_deepspeed.py")
+    path = ROOT / "dsp_plugin" / "launch" / "train_deepspeed.py"
+    spec = importlib.util.spec_from_file_location("train_deepspeed", path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     spec.loader.exec_module(module)  # type: ignore[union-attr]
     return module
@@ -78,7 +79,8 @@ def test_deepspeed_launcher_runs_the_script_unchanged(tmp_path: Path) -> None:
     losses = tmp_path / "losses.json"
     env = dict(os.environ, OMP_NUM_THREADS="1", PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     result = subprocess.run(
-        [launcher, "--num_gpus", "2", "--master_port", str(_free_port()), "launch/train_deepspeed.py",
+        [launcher, "--num_gpus", "2", "--master_port", str(_free_port()),
+         "--module", "dsp_plugin.launch.train_deepspeed",
          "--deepspeed_config", str(config_path), "--steps", str(STEPS), "--samples", str(SAMPLES),
          "--frames", str(FRAMES), "--size", str(SIZE), "--losses_json", str(losses)],
         check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

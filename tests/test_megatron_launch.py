@@ -120,11 +120,8 @@ def test_cpu_refuses_options_whose_megatron_code_asserts_cuda() -> None:
     """Checked right after parsing on every rank (before pretrain() opens the process group)."""
     import argparse
 
-    sys.path.insert(0, str(ROOT / "launch"))
-    try:
-        from pretrain_stdit import refuse_cuda_only_options
-    finally:
-        sys.path.remove(str(ROOT / "launch"))
+    from dsp_plugin.launch.pretrain_stdit import refuse_cuda_only_options
+
     args = argparse.Namespace(use_distributed_optimizer=False, bf16=True, fp16=False, distributed_backend="gloo")
     with pytest.raises(ValueError, match="--bf16: needs CUDA, Megatron's distributed and mixed-precision"):
         refuse_cuda_only_options(args)

@@ -42,7 +42,7 @@ def _module(name: str) -> ModuleType:
 def test_train_dsp_frames_below_dsp_size_fails_on_every_rank() -> None:
     done = _torchrun("train_dsp.py", "--frames", "1", "--steps", "1")
     text = done.stdout + done.stderr
-    message = "launch/train_dsp.py: --frames=1 is smaller than the DSP size 2"
+    message = "dsp_plugin.launch.train_dsp: --frames=1 is smaller than the DSP size 2"
     assert done.returncode != 0
     assert text.count(message) >= 2, text[-3000:]          # both ranks, each its own traceback
     assert "Kernel size" not in text and "Connection closed" not in text
@@ -53,7 +53,7 @@ def test_train_deepspeed_frames_below_dsp_size_fails_on_every_rank() -> None:
     done = _torchrun("train_deepspeed.py", "--deepspeed_config", "launch/ds_config_dsp.json", "--frames", "1")
     text = done.stdout + done.stderr
     assert done.returncode != 0
-    assert text.count("launch/train_deepspeed.py: --frames=1 is smaller than the DSP size 2") >= 2, text[-3000:]
+    assert text.count("dsp_plugin.launch.train_deepspeed: --frames=1 is smaller than the DSP size 2") >= 2, text[-3000:]
 
 
 def _preflight_error(tmp_path: Path, config: dict, **overrides: object) -> str:

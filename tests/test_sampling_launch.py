@@ -1,4 +1,4 @@
-"""``torchrun launch/sample_latte.py`` on 2 and 4 processes writes the same video as on 1.
+"""``torchrun -m dsp_plugin.launch.sample_latte`` on 2 and 4 processes writes the same video as on 1.
 
 Also the ``--pretrained`` path: the 1-process run writes the pipeline with
 ``save_pretrained`` and the torchrun runs load it with diffusers' ``from_pretrained``.
@@ -23,10 +23,10 @@ COMMON = ["--frames", "7", "--steps", "2", "--layers", "1"]
 def _launch(nproc: int, *args: str) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if nproc == 1:
-        cmd = [sys.executable, "launch/sample_latte.py", *args]
+        cmd = [sys.executable, "-m", "dsp_plugin.launch.sample_latte", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "launch/sample_latte.py", *args]
+               "-m", "dsp_plugin.launch.sample_latte", *args]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout

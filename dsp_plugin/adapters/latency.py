@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -30,29 +31,33 @@ def _worker(rank: int, n: int, frames: int, steps: int, size: int, layers: int) 
     from dsp_plugin.adapters.latte import LatteDSP
     from dsp_plugin.adapters.pipeline import parallelize_latte_pipeline, sampling_groups
     from dsp_plugin.adapters.tiny import tiny_latte_pipeline, tiny_prompt_embeds
+    from dsp_plugin.runtime import current_device, synchronize
 
-    pipe = tiny_latte_pipeline(frames=frames, layers=layers, sample_size=size // 2)
+    device = current_device()                  # the GPU of this rank under NCCL (dsp_plugin.runtime)
+    pipe = tiny_latte_pipeline(frames=frames, layers=layers, sample_size=size // 2).to(device)
     pipe.set_progress_bar_config(disable=True)
     dsp_group, _ = sampling_groups(cfg_parallel=False)
     sampler = parallelize_latte_pipeline(pipe, dsp_group=dsp_group)
-    prompt, negative = tiny_prompt_embeds()
+    prompt, negative = (t.to(device) for t in tiny_prompt_embeds())
     kwargs = {"prompt_embeds": prompt, "negative_prompt": None, "negative_prompt_embeds": negative,
               "video_length": frames, "height": size, "width": size, "guidance_scale": 4.0, "output_type": "latent"}
     sampler(**kwargs, num_inference_steps=1, generator=torch.Generator().manual_seed(0))   # warm-up
     marks: list[tuple[float, int]] = []
     with CommAccounting(activations=False) as acct:
         def on_step(i: int, t: object, shard: torch.Tensor) -> None:
+            synchronize(device)
             marks.append((time.perf_counter(), sum(r.bytes_sent for r in acct.records)))
 
+        synchronize(device)
         marks.append((time.perf_counter(), 0))
         sampler(**kwargs, num_inference_steps=steps, generator=torch.Generator().manual_seed(0),
                 callback_on_step_end=on_step)
     step_s = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
     step_bytes = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
     # gather-every-step: the transformer with full input/output on the same CFG batch
-    latents = torch.randn(2, 4, frames, size // 2, size // 2)
+    latents = torch.randn(2, 4, frames, size // 2, size // 2, device=device)
     with torch.no_grad(), CommAccounting(activations=False) as full:
-        LatteDSP(pipe.transformer, group=dsp_group)(latents, timestep=torch.tensor([500, 500]),
+        LatteDSP(pipe.transformer, group=dsp_group)(latents, timestep=torch.tensor([500, 500], device=device),
                                                     encoder_hidden_states=torch.cat([negative, prompt]))
     return {"step_ms": 1e3 * statistics.median(step_s), "dsp_bytes": max(step_bytes),
             "gather_bytes": sum(r.bytes_sent for r in full.records)}
@@ -82,45 +87,52 @@ def measure(*, frames: int, steps: int, size: int, layers: int, worlds: tuple[in
 
     rows = []
     hidden, tokens = 16, (size // 2 // 2) ** 2          # tiny_latte: 2 heads x 8; patch 2 on size/2 latents
-    for n in worlds:
+    start = time.perf_counter()
+    for i, n in enumerate(worlds):
+        print(f"[latency {time.perf_counter() - start:6.1f}s] {i + 1}/{len(worlds)}: {n} process(es), "
+              f"warm-up + {steps} steps", file=sys.stderr, flush=True)
         results = spawn("dsp_plugin.adapters.latency:_worker", n, frames, steps, size, layers, timeout=900,
-                        collective_timeout_s=300)
+                        collective_timeout_s=300, backend="auto")
         shape = {"batch": 2, "frames": frames, "tokens": tokens, "hidden": hidden, "layers": layers, "n": n}
         rows.append({"n": n, "step_ms": max(r["step_ms"] for r in results),
                      "dsp_bytes": max(r["dsp_bytes"] for r in results),
                      "dsp_formula": dsp_formula_bytes(**shape),
                      "gather_bytes": max(r["gather_bytes"] for r in results),
                      "ulysses_bytes": ulysses_bytes(**shape)})
+    print(f"[latency {time.perf_counter() - start:6.1f}s] done", file=sys.stderr, flush=True)
     return rows
 
 
 def h100_prediction(worlds: tuple[int, ...] = (1, 2, 4, 8)) -> list[tuple[int, float, float]]:
     """Forward-only step (ms) of a Latte-sized model (720M: 28 layers, 1152 hidden), T=16, S=4096, batch 2 (CFG).
 
-    Same alpha-beta costs as ``dsp_plugin.bench.scale_model`` (NVLink inside a node, bf16).
+    ``dsp_plugin.bench.scale_model.predict`` with its inference factors (one forward, no
+    recompute; NVLink inside a node, bf16): DSP against the best-practice Ulysses
+    (packed q/k/v all-to-all and one for the output around the temporal attention).
     """
     from dsp_plugin.bench import params
-    from dsp_plugin.bench.scale_model import all_to_all_s, block_flops
+    from dsp_plugin.bench.scale_model import INFERENCE, predict
 
-    model, hw = params.MODELS["720M"], params.H100
-    batch, frames, spatial = 2, 16, params.SPATIAL
-    tokens = batch * frames * spatial
-    act = tokens * model.hidden * params.BYTES_PER_ELEMENT
-    flops = model.layers * (block_flops(tokens, frames, model) + block_flops(tokens, spatial, model))
+    model = params.MODELS["720M"]
     out = []
     for n in worlds:
-        compute = flops / n / (hw.peak_flops * hw.utilization)
-        share = (n - 1) / n
-        dsp = model.layers * 2 * all_to_all_s(act / n * share, n, hw) if n > 1 else 0.0
-        uly = model.layers * 4 * all_to_all_s(act / n * share, n, hw) if n > 1 else 0.0
-        out.append((n, 1e3 * (compute + dsp), 1e3 * (compute + uly)))
+        dsp, uly = (predict(m, model, batch=2, temporal=16, sp=n, factors=INFERENCE) for m in ("dsp", "ulysses"))
+        out.append((n, 1e3 * dsp.step_s if dsp.feasible else float("nan"),
+                    1e3 * uly.step_s if uly.feasible else float("nan")))
     return out
+
+
+def _where() -> str:
+    from dsp_plugin.runtime import choose
+
+    rt = choose()
+    return "NCCL, one GPU per rank" if rt.backend == "nccl" else "CPU gloo, 1 thread per rank"
 
 
 def render(rows: list[dict[str, Any]], prediction: list[tuple[int, float, float]], args: Any) -> str:
     base = rows[0]["step_ms"]
     lines = [f"Tiny LattePipeline, {args.frames} frames, {args.size}x{args.size} px, {args.layers} layers, "
-             f"CFG batch 2, {args.steps} steps; CPU gloo, 1 thread per rank; bytes sent per rank per step.",
+             f"CFG batch 2, {args.steps} steps; {_where()}; bytes sent per rank per step.",
              "", "| processes | step (ms) | speed-up | DSP bytes (measured) | DSP bytes (2M(N-1)/N² per layer) "
              "| gather-every-step bytes | Ulysses-style bytes (formula) |", "|---|---|---|---|---|---|---|"]
     for r in rows:

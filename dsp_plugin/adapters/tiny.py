@@ -1,6 +1,6 @@
 """Tiny random-weight diffusers models and a LattePipeline, built locally (nothing is downloaded).
 
-Shared by the tests, ``launch/sample_latte.py`` and the latency command, so all
+Shared by the tests, ``dsp_plugin/launch/sample_latte.py`` and the latency command, so all
 three sample the same pipeline. Weights come from ``torch.manual_seed(seed)``.
 """
 

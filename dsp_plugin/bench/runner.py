@@ -40,6 +40,7 @@ from torch import nn
 
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.bench.config import BenchConfig
+from dsp_plugin.runtime import current_device, synchronize
 
 _START = time.perf_counter()
 
@@ -74,7 +75,8 @@ def build_model(cfg: BenchConfig) -> nn.Module:
 
     torch.manual_seed(0)
     # adaLN + cross-attention to text: the block the paper's harness trained (OpenSora's STDiT)
-    return STDiT(STDiTConfig(depth=cfg.depth, hidden_size=cfg.hidden, num_heads=cfg.heads, text_dim=cfg.text_dim))
+    model = STDiT(STDiTConfig(depth=cfg.depth, hidden_size=cfg.hidden, num_heads=cfg.heads, text_dim=cfg.text_dim))
+    return model.to(current_device())     # this rank's GPU under NCCL (dsp_plugin.runtime), else the CPU
 
 
 class _Checkpointed(nn.Module):
@@ -156,7 +158,9 @@ def _inputs(cfg: BenchConfig) -> Inputs:
     latents = torch.randn(cfg.batch, 4, cfg.frames, cfg.height, cfg.width, generator=g)
     text = torch.randn(cfg.batch, cfg.text_len, cfg.text_dim, generator=g)
     weight = torch.randn(latents.shape, generator=g)
-    return latents, torch.arange(cfg.batch, dtype=torch.float32) * 7.0, text, weight
+    timestep = torch.arange(cfg.batch, dtype=torch.float32) * 7.0
+    device = current_device()
+    return latents.to(device), timestep.to(device), text.to(device), weight.to(device)
 
 
 def _train_step(model: nn.Module, inputs: Inputs) -> None:
@@ -222,6 +226,7 @@ def time_methods(models: dict[str, nn.Module], cfg: BenchConfig,
         for name in names[step % len(names):] + names[:step % len(names)]:
             start, start_cpu = time.perf_counter(), time.process_time()
             _train_step(models[name], inputs)
+            synchronize(inputs[0].device)
             times[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - start_cpu)
     return times, cpu
@@ -234,7 +239,7 @@ def micro_benchmark(cfg: BenchConfig, rank: int, n: int) -> dict[str, Any]:
 
     progress(rank, f"micro-benchmark: switch vs bare all_to_all_single, {cfg.micro_reps} reps")
     frames = chunk_sizes(cfg.frames, n)[rank]
-    x = torch.randn(cfg.batch, frames, cfg.spatial, cfg.hidden)            # [B, T/N, S, D]
+    x = torch.randn(cfg.batch, frames, cfg.spatial, cfg.hidden, device=current_device())   # [B, T/N, S, D]
     flat = x.reshape(-1).clone()
     group = dist.group.WORLD
     results: dict[str, list[float]] = {"switch": [], "all_to_all_single": []}
@@ -242,11 +247,14 @@ def micro_benchmark(cfg: BenchConfig, rank: int, n: int) -> dict[str, Any]:
         dynamic_switch(x, 1, 2, global_len=cfg.frames)
         bare_all_to_all(flat, group=group)
     for _ in range(cfg.micro_reps):
+        synchronize(x.device)
         start = time.perf_counter()
         dynamic_switch(x, 1, 2, global_len=cfg.frames)
+        synchronize(x.device)
         results["switch"].append(time.perf_counter() - start)
         start = time.perf_counter()
         bare_all_to_all(flat, group=group)
+        synchronize(x.device)
         results["all_to_all_single"].append(time.perf_counter() - start)
     return {"bytes_per_rank": x.numel() * x.element_size(),
             **{k: statistics.median(v) for k, v in results.items()}}

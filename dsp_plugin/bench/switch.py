@@ -16,8 +16,10 @@ Per N and shard size, the median over ``--reps`` interleaved repetitions of:
   ``switch_apply(chunks=2)`` (the next chunk's all-to-all in flight while a chunk computes);
 - ``old switch``: the ``dynamic_switch`` of the file given by ``--compare-with``.
 
-CPU gloo numbers: they show copies and overheads relative to the bare collective on
-the same machine in the same run, not GPU speed. Timing is printed, never asserted.
+On a CPU machine these are gloo numbers: they show copies and overheads relative to the
+bare collective on the same machine in the same run, not GPU speed. With CUDA present the
+ranks run on NCCL, one GPU each (``dsp_plugin.runtime``; ``DSP_BACKEND=gloo`` forces the
+CPU). Timing is printed, never asserted.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,16 +53,18 @@ def _worker(rank: int, n: int, mib: int, reps: int, compare_path: str | None) ->
     from dsp_plugin import checks
     from dsp_plugin.baselines.comm import bare_all_to_all
     from dsp_plugin.comm import dynamic_switch, switch_apply
+    from dsp_plugin.runtime import current_device, synchronize
     from dsp_plugin.topology import Topology, set_topology
 
     set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)
+    device = current_device()
     old = _load(compare_path)
     frames_local = mib * 2**20 // (4 * BATCH * SPATIAL * HIDDEN)
     frames = frames_local * n
-    x = torch.randn(BATCH, frames_local, SPATIAL, HIDDEN)                   # [B, T/N, S, D]
+    x = torch.randn(BATCH, frames_local, SPATIAL, HIDDEN, device=device)    # [B, T/N, S, D]
     x1 = x.reshape(1, BATCH * frames_local, SPATIAL, HIDDEN).clone()        # [1, 2T/N, S, D]
     flat = x.reshape(-1).clone()
-    lin = torch.nn.Linear(HIDDEN, HIDDEN)
+    lin = torch.nn.Linear(HIDDEN, HIDDEN).to(device)
     group = dist.group.WORLD
 
     def with_mode(mode: str, fn: Callable[[], object]) -> Callable[[], object]:
@@ -90,8 +95,10 @@ def _worker(rank: int, n: int, mib: int, reps: int, compare_path: str | None) ->
         for rep in range(reps):
             names = list(cases)
             for name in names[rep % len(names):] + names[:rep % len(names)]:   # interleaved
+                synchronize(device)
                 start = time.perf_counter()
                 cases[name]()
+                synchronize(device)
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()} | {"bytes": x.numel() * 4}
 
@@ -107,7 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for n in args.nproc:
         for mib in args.mib:
-            per_rank = spawn(_worker, n, mib, args.reps, args.compare_with, timeout=1800, collective_timeout_s=300)
+            print(f"[switch] N={n}, {mib} MiB per rank, {args.reps} reps", file=sys.stderr, flush=True)
+            per_rank = spawn(_worker, n, mib, args.reps, args.compare_with, timeout=1800, collective_timeout_s=300,
+                             backend="auto")
             worst = {k: max(r[k] for r in per_rank) for k in per_rank[0]}     # the slowest rank sets the pace
             rows.append((n, mib, worst))
     names = [k for k in rows[0][2] if k not in ("bytes", "bare")]

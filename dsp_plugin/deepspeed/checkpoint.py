@@ -135,7 +135,7 @@ def check_load_dir(load_dir: str | os.PathLike) -> tuple[str, str]:
     if not manifests:
         raise CheckpointError(f"checkpoint {str(tag_dir)!r} has no dsp_manifest_rank*.json, so nothing shows its "
                               f"files come from one save; expected a checkpoint written by "
-                              f"dsp_plugin.deepspeed.checkpoint.save (launch/train_deepspeed.py --save_dir)")
+                              f"dsp_plugin.deepspeed.checkpoint.save (dsp_plugin.launch.train_deepspeed --save_dir)")
     records = [json.loads(m.read_text()) for m in manifests]
     ids = {m.name: r["save_id"] for m, r in zip(manifests, records)}
     world = records[0].get("world_size", len(records))

@@ -242,7 +242,7 @@ def check_model_options(args: argparse.Namespace, dsp: int) -> None:
     """Options the DSP layers do not support, and shard shapes the chosen kernels cannot take.
 
     The geometry checks use ``--num-frames``/``--latent-height``/``--latent-width`` when the
-    launch defines them (``launch/pretrain_stdit.py`` does); a user's own launch without
+    launch defines them (``dsp_plugin/launch/pretrain_stdit.py`` does); a user's own launch without
     them is checked for the options only.
     """
     if getattr(args, "sequence_parallel", False):
@@ -297,7 +297,7 @@ def dsp_enabled(args: argparse.Namespace) -> bool:
     return getattr(args, "sequence_parallel_mode", "none") == "dsp"
 
 
-# --- --load of nothing: refused unless asked for (self-contained; used by launch/pretrain_stdit.py) ---------
+# --- --load of nothing: refused unless asked for (self-contained; used by dsp_plugin/launch/pretrain_stdit.py) ---
 
 
 def add_load_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """What a ``megatron.training`` launch plugs in: dataset, model provider, forward step, loss.
 
-Used by ``launch/pretrain_stdit.py`` (GPU: ``pretrain()``; CPU: ``cpu.py``) and by
+Used by ``dsp_plugin/launch/pretrain_stdit.py`` (GPU: ``pretrain()``; CPU: ``cpu.py``) and by
 the tests, so the tested path is the launched path.
 
 Loss convention (design section 3): the loss function returns the *local* share

@@ -1,12 +1,15 @@
 """Train the tiny STDiT with DSP on synthetic video latents; the README's main job.
 
-    torchrun --standalone --nproc-per-node 4 launch/train_dsp.py --out out/dsp.json
-    python launch/train_dsp.py --out out/single.json --compare out/dsp.json
+    torchrun --standalone --nproc-per-node 4 -m dsp_plugin.launch.train_dsp --out out/dsp.json
+    python -m dsp_plugin.launch.train_dsp --out out/single.json --compare out/dsp.json
 
 Every rank logs nothing but rank 0, which prints per step: the loss, the step
 time, and the all-to-all bytes this rank sent per layer (forward, backward) beside
 the formula 2M(N-1)/N^2. Run on one process (no torchrun) it is the reference;
 ``--compare`` prints both loss curves side by side.
+
+Under torchrun it runs on NCCL and one GPU per process when CUDA is present,
+gloo on the CPU otherwise (``dsp_plugin.runtime``; ``DSP_BACKEND=gloo`` forces the CPU).
 
 Knobs: ``--dsp`` (default: the whole world, DP = world / DSP), ``--frames``,
 ``--height``, ``--width``, ``--batch-size`` (per DP rank), ``--steps``, ``--lr``, ``--seed``,
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import time
@@ -27,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from dsp_plugin import Topology, dsp_dataloader, reduce_gradients, set_topology
+from dsp_plugin import Topology, dsp_dataloader, reduce_gradients, runtime, set_topology
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
@@ -76,21 +78,23 @@ def main() -> None:
     distributed = world > 1
     # Every rank checks the same arguments before any collective: an empty shard fails alike everywhere.
     dsp = args.dsp if args.dsp is not None else world
-    check_divisible_lengths("launch/train_dsp.py", {"--frames": args.frames,
-                                                   "spatial tokens (--height/2)*(--width/2)":
-                                                   (args.height // 2) * (args.width // 2)}, dsp)
+    check_divisible_lengths("dsp_plugin.launch.train_dsp", {"--frames": args.frames,
+                                                            "spatial tokens (--height/2)*(--width/2)":
+                                                            (args.height // 2) * (args.width // 2)}, dsp)
     try:
         if distributed:
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+            device = runtime.init_distributed(timeout_s=args.timeout).device
             set_topology(Topology.build(dsp=args.dsp))   # its groups inherit --timeout
-        run(args, distributed)
+        else:
+            device = runtime.choose().device
+        run(args, distributed, device)
     finally:
         set_topology(None)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def run(args: argparse.Namespace, distributed: bool) -> None:
+def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> None:
     from dsp_plugin.topology import get_topology
 
     topology = get_topology()
@@ -101,7 +105,7 @@ def run(args: argparse.Namespace, distributed: bool) -> None:
 
     config = STDiTConfig.preset(args.preset)
     torch.manual_seed(args.seed)                   # same initial parameters on every rank
-    model = STDiT(config)
+    model = STDiT(config).to(device)
     if dsp > 1:
         parallelize(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
@@ -112,7 +116,7 @@ def run(args: argparse.Namespace, distributed: bool) -> None:
     tokens = args.frames * (args.height // 2) * (args.width // 2)
     m_bytes = args.batch_size * tokens * config.hidden_size * 4     # one [B, T, S, D] fp32 activation
     formula = 2 * m_bytes * (dsp - 1) / dsp**2
-    log(f"DSP training: {topology.describe() if topology else 'one process (the reference)'}")
+    log(f"DSP training: {topology.describe() if topology else 'one process (the reference)'}; on {device}")
     log(f"model {args.preset}: depth {config.depth}, hidden {config.hidden_size}, heads {config.num_heads}; "
         f"latents {list(shape)} per sample, {tokens} tokens, batch {args.batch_size} per DP rank")
     if dsp > 1:
@@ -122,6 +126,8 @@ def run(args: argparse.Namespace, distributed: bool) -> None:
     losses = []
     acct = None
     for step, batch in enumerate(loader, start=1):
+        batch = {k: v.to(device) for k, v in batch.items()}
+        runtime.synchronize(device)
         start = time.perf_counter()
         # Traffic is the same every step: count it on step 1 only, so the other steps are timed
         # without the accounting's dispatch mode (about 10 us per operator).
@@ -132,6 +138,7 @@ def run(args: argparse.Namespace, distributed: bool) -> None:
             loss.backward()
             reduce_gradients(model.parameters())
         optimizer.step()
+        runtime.synchronize(device)
         elapsed = (time.perf_counter() - start) * 1e3
         acct = counting if counting is not None else acct
         if dp > 1:  # report the global-batch loss, as the single process sees it

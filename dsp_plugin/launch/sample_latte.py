@@ -1,6 +1,6 @@
 """Sample a video with diffusers' LattePipeline on N processes, latents sharded over DSP.
 
-    torchrun --nproc-per-node 4 launch/sample_latte.py --frames 7 --steps 4 --cfg-parallel --out video.pt
+    torchrun --nproc-per-node 4 -m dsp_plugin.launch.sample_latte --frames 7 --steps 4 --cfg-parallel --out video.pt
 
 Builds a tiny random-weight pipeline (nothing is downloaded) or loads a local
 one (``--pretrained DIR``, diffusers' ``from_pretrained``), samples with
@@ -8,13 +8,14 @@ one (``--pretrained DIR``, diffusers' ``from_pretrained``), samples with
 communicated (``CommAccounting``), and writes the frames to ``--out`` on rank 0
 (``torch.save`` of a ``[B, T, 3, H, W]`` float tensor). ``--save-pretrained DIR``
 writes the pipeline first (to make a checkpoint for ``--pretrained``).
-Without torchrun it runs on one process.
+Without torchrun it runs on one process. NCCL and one GPU per process when CUDA is
+present, gloo on the CPU otherwise (``dsp_plugin.runtime``; ``DSP_BACKEND=gloo``
+forces the CPU).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import statistics
 import time
@@ -22,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dsp_plugin import runtime
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters.pipeline import parallelize_latte_pipeline, sampling_groups
 from dsp_plugin.adapters.tiny import tiny_latte_pipeline, tiny_prompt_embeds
@@ -50,30 +52,33 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     created = "RANK" in os.environ and not dist.is_initialized()
     try:
         if created:
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
-        return sample(args)
+            device = runtime.init_distributed(timeout_s=args.timeout).device
+        else:
+            device = runtime.current_device() if dist.is_initialized() else runtime.choose().device
+        return sample(args, device)
     finally:  # also on an error: no gloo work left for interpreter exit, no topology left installed
         set_topology(None)
         if created and dist.is_initialized():
             dist.destroy_process_group()
 
 
-def sample(args: argparse.Namespace) -> dict[str, float]:
+def sample(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     torch.set_num_threads(1)
     pipe = tiny_latte_pipeline(frames=args.frames, layers=args.layers, sample_size=args.size // 2,
-                               seed=args.seed, pretrained=args.pretrained)
+                               seed=args.seed, pretrained=args.pretrained).to(device)
     pipe.set_progress_bar_config(disable=True)
     if args.save_pretrained and rank == 0:
         pipe.save_pretrained(args.save_pretrained)
     dsp_group, cfg_group = sampling_groups(cfg_parallel=args.cfg_parallel)
     sampler = parallelize_latte_pipeline(pipe, dsp_group=dsp_group, cfg_group=cfg_group)
-    prompt, negative = tiny_prompt_embeds(seed=args.seed)
+    prompt, negative = (t.to(device) for t in tiny_prompt_embeds(seed=args.seed))
 
     marks: list[tuple[float, int]] = []
     with CommAccounting(activations=False) as acct:
         def on_step(i: int, t: object, shard: torch.Tensor) -> None:
+            runtime.synchronize(device)
             marks.append((time.perf_counter(), sum(r.bytes_sent for r in acct.records)))
 
         marks.append((time.perf_counter(), 0))
@@ -82,6 +87,7 @@ def sample(args: argparse.Namespace) -> dict[str, float]:
                          num_inference_steps=args.steps, guidance_scale=args.guidance,
                          generator=torch.Generator().manual_seed(args.seed), output_type="pt",
                          callback_on_step_end=on_step).frames
+        runtime.synchronize(device)
         end = time.perf_counter()
     step_s = [b[0] - a[0] for a, b in zip(marks, marks[1:])]
     step_bytes = [b[1] - a[1] for a, b in zip(marks, marks[1:])]
@@ -92,12 +98,12 @@ def sample(args: argparse.Namespace) -> dict[str, float]:
     if rank == 0:
         cfg = "cfg(2) x " if args.cfg_parallel else ""
         print(f"sample_latte: {world} process(es), {cfg}dsp({world // (2 if args.cfg_parallel else 1)}), "
-              f"{args.frames} frames, {args.steps} steps")
+              f"{args.frames} frames, {args.steps} steps, on {device}")
         for i, (s, b) in enumerate(zip(step_s, step_bytes)):
             print(f"  step {i}: {1e3 * s:8.2f} ms  {b:>9d} bytes sent by rank 0")
         print(f"  after the loop (decode + gather pixels): {final_bytes} bytes; total {stats['total_s']:.3f} s")
         if args.out:
-            torch.save(frames.contiguous(), args.out)
+            torch.save(frames.contiguous().cpu(), args.out)
             print(f"  wrote {tuple(frames.shape)} to {args.out}")
     return stats
 

@@ -6,8 +6,8 @@ config carries the key (``launch/ds_config_dsp.json``), ``initialize`` comes fro
 this STDiT). Precision follows the config (``"bf16"``/``"fp16"``): inputs are
 cast to the parameters' dtype and the loss is taken in fp32::
 
-    deepspeed --num_gpus 4 launch/train_deepspeed.py --deepspeed_config launch/ds_config_dsp.json
-    torchrun --standalone --nproc_per_node 4 launch/train_deepspeed.py --deepspeed_config launch/ds_config_dsp.json
+    deepspeed --num_gpus 4 --module dsp_plugin.launch.train_deepspeed --deepspeed_config launch/ds_config_dsp.json
+    torchrun --standalone --nproc_per_node 4 -m dsp_plugin.launch.train_deepspeed --deepspeed_config launch/ds_config_dsp.json
 
 Prints ``step N loss X`` (mean over data-parallel replicas) on rank 0.
 ``--save_dir`` with ``--save_at N`` (or ``--save_every N``) writes an engine
@@ -28,20 +28,19 @@ import argparse
 import datetime
 import json
 import os
-import sys
 from pathlib import Path
 
 import deepspeed
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from dsp_plugin.adapters.sharded import check_divisible_lengths
+from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.deepspeed import checkpoint, initialize  # DSP (was: deepspeed.initialize)
 from dsp_plugin.deepspeed.config import require_dsp_config
 from dsp_plugin.deepspeed.engine import load_config
 from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+from dsp_plugin.steplog import log_first_call
 from dsp_plugin.topology import set_topology
 
 
@@ -75,9 +74,9 @@ def parse_args() -> argparse.Namespace:
 def preflight(args: argparse.Namespace) -> None:
     """Every check that needs only the arguments, on every rank alike, before any collective."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    settings = require_dsp_config(load_config(args), world_size=world, who="launch/train_deepspeed.py")
-    check_divisible_lengths("launch/train_deepspeed.py", {"--frames": args.frames,
-                                                         "spatial tokens (--size/2)**2": (args.size // 2) ** 2},
+    settings = require_dsp_config(load_config(args), world_size=world, who="dsp_plugin.launch.train_deepspeed")
+    check_divisible_lengths("dsp_plugin.launch.train_deepspeed",
+                            {"--frames": args.frames, "spatial tokens (--size/2)**2": (args.size // 2) ** 2},
                             settings.size)
     if args.save_dir:
         checkpoint.check_save_dir(args.save_dir)
@@ -118,23 +117,28 @@ def train(args: argparse.Namespace) -> None:
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.half if engine.fp16_enabled() else torch.float32
     batches = iter(loader)
     losses = []
+
+    def micro_step(batch: list[torch.Tensor]) -> torch.Tensor:
+        latents, timestep, text, target = (t.to(engine.device) for t in batch)
+        prediction = engine(latents.to(dtype), timestep, text.to(dtype))
+        loss = torch.nn.functional.mse_loss(prediction.float(), target)
+        engine.backward(loss)
+        engine.step()
+        return loss.detach()
+
+    # rank 0 logs the DSP groups and the first micro-step's all-to-alls and bytes
+    micro_step = log_first_call(micro_step, log=print if rank == 0 else lambda line: None)
     for step in range(1, args.steps + 1):
-        total = torch.zeros(())
+        total = torch.zeros((), device=engine.device)
         for _ in range(gas):
             try:
                 batch = next(batches)
             except StopIteration:  # next epoch: the loader reshuffles
                 batches = iter(loader)
                 batch = next(batches)
-            latents, timestep, text, target = batch
-            prediction = engine(latents.to(dtype), timestep, text.to(dtype))
-            loss = torch.nn.functional.mse_loss(prediction.float(), target)
-            engine.backward(loss)
-            engine.step()
-            total += loss.detach() / gas
+            total += micro_step(batch) / gas
         # Mean over data-parallel replicas (DSP ranks of a group hold the same loss).
-        deepspeed.comm.all_reduce(total, group=engine.mpu.get_data_parallel_group())
-        losses.append(total.item() / engine.mpu.get_data_parallel_world_size())
+        losses.append(all_reduce_mean(total, group=engine.mpu.get_data_parallel_group()).item())
         if rank == 0:
             print(f"step {step} loss {losses[-1]:.6f}", flush=True)
         if args.save_dir and (args.save_at == step or (args.save_every and step % args.save_every == 0)):

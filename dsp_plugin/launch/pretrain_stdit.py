@@ -1,6 +1,6 @@
 """Pretrain the spatial-temporal DiT on synthetic video latents with megatron.training and DSP.
 
-    torchrun --nproc-per-node 4 launch/pretrain_stdit.py --sequence-parallel-mode dsp --dsp-size 4 ...
+    torchrun --nproc-per-node 4 -m dsp_plugin.launch.pretrain_stdit --sequence-parallel-mode dsp --dsp-size 4 ...
 
 (``launch/run_megatron.sh`` fills in the rest from environment variables.)
 
@@ -22,19 +22,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import sys
 from collections.abc import Iterator
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from megatron.core.enums import ModelType
+from megatron.training import get_args, pretrain, print_rank_0
+from megatron.training.arguments import parse_and_validate_args
 
-from megatron.core.enums import ModelType  # noqa: E402
-from megatron.training import get_args, pretrain, print_rank_0  # noqa: E402
-from megatron.training.arguments import parse_and_validate_args  # noqa: E402
-
-from dsp_plugin.megatron.arguments import add_dsp_arguments, add_load_arguments, check_load_path  # noqa: E402
-from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers  # noqa: E402
-from dsp_plugin.megatron.flops import install_flops_formula  # noqa: E402
-from dsp_plugin.megatron.steps import (  # noqa: E402
+from dsp_plugin.megatron.arguments import add_dsp_arguments, add_load_arguments, check_load_path
+from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers
+from dsp_plugin.megatron.flops import install_flops_formula
+from dsp_plugin.megatron.steps import (
     SyntheticVideoDataset,
     add_model_arguments,
     forward_step,
@@ -48,7 +45,18 @@ ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer", "vocab_size": 1}
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """DSP options (the flag) plus the latent video geometry of the synthetic data."""
-    return add_load_arguments(add_model_arguments(add_dsp_arguments(parser)))
+    return escape_help_percents(add_load_arguments(add_model_arguments(add_dsp_arguments(parser))))
+
+
+def escape_help_percents(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--help`` formats every help string with ``%``; megatron-core has a bare one ("10%") that crashes it."""
+    import re
+
+    for action in parser._actions:
+        if action.help and action.help is not argparse.SUPPRESS:
+            # keep "%%" and "%(default)s"; double a bare "%"
+            action.help = re.sub(r"%(%|\(\w+\)[a-z])?", lambda m: m.group(0) if m.group(1) else "%%", action.help)
+    return parser
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None,
@@ -123,9 +131,30 @@ def main() -> None:
         print_rank_0(f"> sequence parallel mode: {args.sequence_parallel_mode}, dsp size {args.dsp_size} "
                      f"(Megatron context-parallel slot), tp {args.tensor_model_parallel_size}, "
                      f"pp {args.pipeline_model_parallel_size}, dp {args.data_parallel_size}")
+        stack.enter_context(log_first_train_step())
         with close_process_group_on_success():
             pretrain(pretrain_cfg_container_from_args(args), train_valid_test_datasets_provider,
                      ModelType.encoder_or_decoder, forward_step, model_provider=model_provider)
+
+
+@contextlib.contextmanager
+def log_first_train_step() -> Iterator[None]:
+    """Log the DSP groups and iteration 1's all-to-alls and bytes (``dsp_plugin.steplog``), as ``make train`` does.
+
+    ``train()`` looks ``train_step`` up in its module at every iteration, so wrapping that
+    name counts the first call and leaves the rest untouched; restored on exit.
+    """
+    from megatron.training import training
+
+    from dsp_plugin.megatron.groups import topology_from_parallel_state
+    from dsp_plugin.steplog import log_first_call
+
+    original = training.train_step
+    training.train_step = log_first_call(original, log=print_rank_0, topology=topology_from_parallel_state)
+    try:
+        yield
+    finally:
+        training.train_step = original
 
 
 if __name__ == "__main__":
