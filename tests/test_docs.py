@@ -187,6 +187,19 @@ RULES: list[Rule] = [
          why="the python block above it, saved as acct_ddp.py, runs here"),
     Rule(r"\.venv/bin/python -c|python -c", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),)),
     Rule(r"pytest tests/test_|pytest -s tests/test_", "covered", tests=()),
+    Rule(r"docs/api\.md:python:import torch\.distributed as dist\nfrom dsp_plugin import Topology", "covered",
+         tests=("tests/test_reliability.py",), why="a fragment needing torchrun's environment; Topology.world() "
+         "under a real gloo world runs in the tests named"),
+    Rule(r"docs/api\.md:python:import torch\nimport torch\.nn\.functional as F", "covered",
+         tests=("tests/test_heads.py::test_the_api_example_runs_on_two_ranks",)),
+    Rule(r"PYTHONPATH=\. python scripts/check_cost\.py", "run", subs=((r"^PYTHONPATH=\. python", sys.executable),),
+         expect="us per call"),
+    Rule(r"docs/megatron\.md:bash:F=\"--position-embedding-type rope", "covered",
+         tests=("tests/test_megatron_paper_model.py",), why="the flags the two run_megatron.sh lines below take"),
+    Rule(r"docs/troubleshooting\.md:bash:torchrun .*-m dsp_plugin\.launch\.train_dsp .*--timeout", "check",
+         "a frozen peer needs a second terminal; tests/test_reliability_launch.py bounds the launches' exits"),
+    Rule(r"docs/troubleshooting\.md:inline:(torchrun|deepspeed) --(standalone|master_port)", "skip",
+         "a launcher option named in prose, not a command"),
 ]
 
 
