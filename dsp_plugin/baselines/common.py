@@ -17,7 +17,8 @@ from torch import nn
 
 from dsp_plugin.comm import chunk_sizes, gather, split
 
-__all__ = ["TIME_DIM", "ShardState", "check_heads", "resolve_group", "shard_on_time", "sharded_blocks"]
+__all__ = ["TIME_DIM", "ShardState", "check_heads", "refuse_rope_and_masks", "resolve_group", "shard_on_time",
+           "sharded_blocks"]
 
 #: token dim the baselines shard (tokens are ``[B, T, S, D]``); latents ``[B, C, T, H, W]`` split on dim 2
 TIME_DIM = 1
@@ -43,6 +44,14 @@ def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 
     topology = get_topology()
     return topology.dsp_group if topology is not None else dist.group.WORLD
+
+
+def refuse_rope_and_masks(where: str, angles: Any = None, key_mask: Any = None) -> None:
+    """The baselines reproduce the paper's plain STDiT: RoPE angles and caption masks are refused, not dropped."""
+    if angles is not None or key_mask is not None:
+        what = "RoPE angles" if angles is not None else "a caption key mask"
+        raise ValueError(f"{where}: got {what}; the baselines run the paper's STDiT without RoPE and caption "
+                         "masks (STDiTConfig temporal_rope/spatial_rope off, no text_mask)")
 
 
 def check_heads(method: str, heads: int, n: int) -> None:

@@ -22,6 +22,8 @@ weights over TP the same way).
 
 from __future__ import annotations
 
+from typing import Any
+
 from collections.abc import Callable
 
 import torch
@@ -30,7 +32,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsp_plugin.baselines.comm import all_gather_along, all_reduce_sum, reduce_scatter_along
-from dsp_plugin.baselines.common import TIME_DIM, check_heads, resolve_group, shard_on_time
+from dsp_plugin.baselines.common import (
+    TIME_DIM,
+    check_heads,
+    refuse_rope_and_masks,
+    resolve_group,
+    shard_on_time,
+)
 
 __all__ = ["parallelize_megatron_sp", "reduce_replicated_gradients"]
 
@@ -79,7 +87,9 @@ class TPAttention(nn.Module):
         self.proj.weight = _sliced(attn.proj.weight, lambda t: t[:, lo:hi])
         self.proj.bias = _replicated(attn.proj.bias)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, angles: Any = None,
+                key_mask: Any = None) -> torch.Tensor:
+        refuse_rope_and_masks(type(self).__name__, angles, key_mask)
         if context is not None:
             raise ValueError("TPAttention replaces self-attention only; got a context")
         full = all_gather_along(x, self.gather_dim, group=self.group)       # [rows', L', D], whole sequence

@@ -31,7 +31,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsp_plugin.baselines.common import ShardState, resolve_group, shard_on_time, sharded_blocks
+from dsp_plugin.baselines.common import (
+    ShardState,
+    refuse_rope_and_masks,
+    resolve_group,
+    shard_on_time,
+    sharded_blocks,
+)
 from dsp_plugin.baselines.comm import ring_shift
 
 __all__ = ["RingSelfAttention", "parallelize_ring", "ring_attention"]
@@ -121,7 +127,9 @@ class RingSelfAttention(nn.Module):
         self.q, self.kv, self.proj = attn.q, attn.kv, attn.proj
         self.group, self.state = group, state
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, angles: Any = None,
+                key_mask: Any = None) -> torch.Tensor:
+        refuse_rope_and_masks(type(self).__name__, angles, key_mask)
         if context is not None:
             raise ValueError("RingSelfAttention replaces self-attention only; got a context")
         rows, length, dim = x.shape

@@ -16,6 +16,8 @@ collective.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -24,6 +26,7 @@ from torch import nn
 from dsp_plugin.baselines.common import (
     ShardState,
     check_heads,
+    refuse_rope_and_masks,
     resolve_group,
     shard_on_time,
     sharded_blocks,
@@ -64,7 +67,9 @@ class UlyssesAttention(nn.Module):
 
         self.dist_attn = DistributedAttention(_LocalAttention(), group, scatter_idx=2, gather_idx=1)
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, angles: Any = None,
+                key_mask: Any = None) -> torch.Tensor:
+        refuse_rope_and_masks(type(self).__name__, angles, key_mask)
         if context is not None:
             raise ValueError("UlyssesAttention replaces self-attention only; got a context")
         rows, length, dim = x.shape

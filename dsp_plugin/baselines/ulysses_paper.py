@@ -24,13 +24,22 @@ and 2. The best-practice variant, only in the temporal block, is ``ulysses``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from dsp_plugin.baselines.comm import paper_all_to_all
-from dsp_plugin.baselines.common import TIME_DIM, ShardState, check_heads, resolve_group, shard_on_time
+from dsp_plugin.baselines.common import (
+    TIME_DIM,
+    ShardState,
+    check_heads,
+    refuse_rope_and_masks,
+    resolve_group,
+    shard_on_time,
+)
 
 __all__ = ["PaperCrossAttention", "PaperSelfAttention", "parallelize_ulysses_paper"]
 
@@ -56,7 +65,9 @@ class PaperSelfAttention(nn.Module):
         self.q, self.kv, self.proj = attn.q, attn.kv, attn.proj
         self.group, self.seq_dim = group, seq_dim
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, angles: Any = None,
+                key_mask: Any = None) -> torch.Tensor:
+        refuse_rope_and_masks(type(self).__name__, angles, key_mask)
         if context is not None:
             raise ValueError("PaperSelfAttention replaces self-attention only; got a context")
         rows, length, dim = x.shape
@@ -78,7 +89,9 @@ class PaperCrossAttention(nn.Module):
         self.q, self.kv, self.proj = attn.q, attn.kv, attn.proj
         self.group = group
 
-    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, *, angles: Any = None,
+                key_mask: Any = None) -> torch.Tensor:
+        refuse_rope_and_masks(type(self).__name__, angles, key_mask)
         if context is None:
             raise ValueError("PaperCrossAttention needs the text context")
         b, length, dim = x.shape                                                 # [B, T/N * S, D]
