@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 __all__ = [
     "NoTopologyError",
     "all_reduce_mean",
+    "meet_and_close",
     "chunk_sizes",
     "dynamic_switch",
     "exchange_words",
@@ -696,6 +697,17 @@ def all_reduce_mean(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) ->
         dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
         out.div_(dist.get_world_size(group))
     return out
+
+
+def meet_and_close() -> None:
+    """Every rank meets once more, then the default process group is destroyed (a launch's clean exit).
+
+    Leaving gloo's teardown to interpreter shutdown lets a rank that exits first abort its peer.
+    Call it only where every rank is known to be at the same point (never after an error).
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------

@@ -202,13 +202,17 @@ LAUNCH_FLAGS = ["--position-embedding-type", "rope", "--qk-layernorm", "--no-rop
 
 
 @pytest.mark.slow
-def test_dsp2_launch_with_the_paper_flags_logs_the_single_process_losses() -> None:
-    """The real launch (megatron.training parsing, Megatron's optimizer, samplers, schedules) with every
-    feature and three buckets, one per iteration: DSP=2 logs the single-process losses."""
+def test_dsp2_launch_with_the_paper_flags_logs_the_single_process_losses(tmp_path) -> None:
+    """The real launch (megatron.training's pretrain(): parsing, Megatron's optimizer, samplers, schedules)
+    with every feature and three buckets, one per iteration: DSP=2's loss scalars are the single-process
+    losses. (TensorBoard holds each iteration's own loss; the log line averages iterations 1 and 2.)"""
     pytest.importorskip("megatron.training")
-    from tests.megatron_launch import launch
+    pytest.importorskip("tensorboard")
+    from tests.megatron_launch import launch, tensorboard_losses
 
-    losses, _ = launch(*LAUNCH_FLAGS, NPROC="2", DSP="2")
-    print(f"\npaper-flag launch losses: DSP=2 {losses}, single process (measured) {SINGLE_PROCESS}")
+    logged, _ = launch(*LAUNCH_FLAGS, "--tensorboard-dir", str(tmp_path), NPROC="2", DSP="2")
+    losses = tensorboard_losses(tmp_path)
+    print(f"\npaper-flag launch losses: DSP=2 {losses} (log lines {logged}), single process (measured) "
+          f"{SINGLE_PROCESS}")
     assert sorted(losses) == [1, 2, 3]
     assert max(abs(SINGLE_PROCESS[i] - losses[i]) for i in losses) < 1e-5, losses

@@ -69,7 +69,7 @@ def test_config_near_miss_keys_are_named() -> None:
         parse_dsp_config({"sequence_parallel_mode": "dsp", "sequence_parallel_sise": 2})
     assert parse_dsp_config({"sequence_parallel_size": 2, "train_batch_size": 4}) is None  # DeepSpeed's own SP
     with pytest.raises(ValueError, match="trains with DSP, but the config has no 'sequence_parallel_mode' key"):
-        require_dsp_config({"sequence_parallel_size": 2}, who="launch/train_deepspeed.py")
+        require_dsp_config({"sequence_parallel_size": 2}, who="dsp_plugin.launch.train_deepspeed")
 
 
 # --- case 5: groups inherit the world's timeout; a late peer is reported within it ----------------------------
@@ -238,15 +238,8 @@ def test_model_sharded_on_some_ranks_only_fails_clearly_on_every_rank() -> None:
 
 
 def _sample_fails(rank: int, world_size: int) -> dict[str, Any]:
-    import importlib.util
-    from pathlib import Path
-
+    from dsp_plugin.launch import sample_latte
     from dsp_plugin.topology import get_topology
-
-    path = Path(__file__).resolve().parents[1] / "launch" / "sample_latte.py"
-    spec = importlib.util.spec_from_file_location("sample_latte", path)
-    sample_latte = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(sample_latte)  # type: ignore[union-attr]
 
     try:
         sample_latte.main(["--frames", "1", "--steps", "1", "--layers", "1"])

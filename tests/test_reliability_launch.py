@@ -11,7 +11,7 @@ launch's own preflight in this process (it issues no collective by design).
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -28,19 +28,16 @@ ROOT = Path(__file__).resolve().parents[1]
 def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           f"launch/{script}", *args]
+           "-m", f"dsp_plugin.launch.{script}", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 def _module(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, ROOT / "launch" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
+    return importlib.import_module(f"dsp_plugin.launch.{name}")
 
 
 def test_train_dsp_frames_below_dsp_size_fails_on_every_rank() -> None:
-    done = _torchrun("train_dsp.py", "--frames", "1", "--steps", "1")
+    done = _torchrun("train_dsp", "--frames", "1", "--steps", "1")
     text = done.stdout + done.stderr
     message = "dsp_plugin.launch.train_dsp: --frames=1 is smaller than the DSP size 2"
     assert done.returncode != 0
@@ -50,7 +47,7 @@ def test_train_dsp_frames_below_dsp_size_fails_on_every_rank() -> None:
 
 @pytest.mark.slow
 def test_train_deepspeed_frames_below_dsp_size_fails_on_every_rank() -> None:
-    done = _torchrun("train_deepspeed.py", "--deepspeed_config", "launch/ds_config_dsp.json", "--frames", "1")
+    done = _torchrun("train_deepspeed", "--deepspeed_config", "launch/ds_config_dsp.json", "--frames", "1")
     text = done.stdout + done.stderr
     assert done.returncode != 0
     assert text.count("dsp_plugin.launch.train_deepspeed: --frames=1 is smaller than the DSP size 2") >= 2, text[-3000:]

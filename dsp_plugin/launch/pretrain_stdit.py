@@ -96,20 +96,15 @@ def close_process_group_on_success() -> Iterator[None]:
     ``--exit-duration-in-mins``, every rank is at the same point: meet once more and destroy the process
     group, rather than leave gloo's teardown to interpreter shutdown, where a rank that exits first can
     abort its peer. A failing rank skips this (no collective after an error)."""
-    import torch
-
-    def close() -> None:
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+    from dsp_plugin.comm import meet_and_close
 
     try:
         yield
     except SystemExit as exc:
         if exc.code in (None, 0):
-            close()
+            meet_and_close()
         raise
-    close()
+    meet_and_close()
 
 
 def main() -> None:
