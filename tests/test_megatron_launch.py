@@ -56,6 +56,15 @@ def test_evaluation_prints_megatron_validation_loss(dsp2: tuple) -> None:
     assert any(suffix for _, suffix, _ in found), "pretrain() evaluates once more after training"
 
 
+def test_the_launch_logs_what_dsp_did_in_iteration_1(dsp2: tuple) -> None:
+    """pretrain()'s own train() runs a wrapped train_step once counted: the groups, the all-to-alls, the bytes."""
+    out = dsp2[1]
+    assert "DSP: tp(1) x dsp(2) x dp(1) x pp(1) = 2" in out and "DSP groups [[0, 1]]" in out, out[-3000:]
+    traffic = re.search(r"DSP step traffic \(this rank\): (\d+) all-to-alls forward, (\d+) backward", out)
+    assert traffic and int(traffic.group(1)) > 0 and traffic.group(1) == traffic.group(2), out[-3000:]
+    assert out.count("DSP step traffic") == 1, "only iteration 1 is counted"
+
+
 def test_resume_at_another_dsp_size_with_more_iterations(dsp2: tuple) -> None:
     """The checkpoint was saved by a 3-iteration run; ``--train-iters 4`` changes Megatron's scheduler
     (``wd_incr_steps``), which ``run_megatron.sh`` lets the command line win (``LR_SCHEDULE``)."""
