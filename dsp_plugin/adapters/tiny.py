@@ -97,7 +97,8 @@ def tiny_wan_pipeline(*, layers: int = 2, seed: int = 0, two_stage: bool = False
     """A ``WanPipeline``: ``tiny_wan``, a tiny ``AutoencoderKLWan`` (x2 in time and space), a tiny UMT5 encoder
     and a word-level tokenizer built in memory, UniPC (Wan's own scheduler, deterministic). Nothing is downloaded.
 
-    ``two_stage``: Wan 2.2's layout, a second transformer for the low-noise steps (``boundary_ratio=0.5``).
+    ``two_stage``: Wan 2.2's layout, a second transformer for the low-noise steps (``boundary_ratio=0.8``:
+    with 2 UniPC steps, t=999 runs on ``transformer`` and t=750 on ``transformer_2``)..
     Height and width must be multiples of 16 (the pipeline's check); latent frames = (num_frames - 1) // 2 + 1.
     """
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
@@ -120,4 +121,4 @@ def tiny_wan_pipeline(*, layers: int = 2, seed: int = 0, two_stage: bool = False
                        transformer=tiny_wan(layers=layers, text_dim=CAPTION_CHANNELS, seed=seed),
                        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                          flow_shift=3.0),
-                       transformer_2=second, boundary_ratio=0.5 if two_stage else None)
+                       transformer_2=second, boundary_ratio=0.8 if two_stage else None)
