@@ -102,6 +102,8 @@ class DSPWanPipeline(FrameShardedSampler):
         if boundary is not None and guidance_scale_2 is None:
             guidance_scale_2 = guidance_scale
         device = pipe._execution_device
+        # WanPipeline's batch: the prompts, else the given embeddings (num_videos_per_prompt latents each)
+        batch = 1 if isinstance(prompt, str) else len(prompt) if prompt is not None else prompt_embeds.shape[0]
         prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
             prompt=prompt, negative_prompt=negative_prompt, do_classifier_free_guidance=do_cfg,
             num_videos_per_prompt=num_videos_per_prompt, prompt_embeds=prompt_embeds,
@@ -117,8 +119,8 @@ class DSPWanPipeline(FrameShardedSampler):
 
         pipe.scheduler.set_timesteps(num_inference_steps, device=device)
         timesteps = pipe.scheduler.timesteps
-        full = pipe.prepare_latents(prompt_embeds.shape[0], first.config.in_channels, height, width, num_frames,
-                                    torch.float32, device, generator, latents)
+        full = pipe.prepare_latents(batch * num_videos_per_prompt, first.config.in_channels, height, width,
+                                    num_frames, torch.float32, device, generator, latents)
         hw = (full.shape[3] // ph) * (full.shape[4] // pw)
         shard = self.shard(full)                                    # [B, C, F/N, h, w], kept to the end
         del full
