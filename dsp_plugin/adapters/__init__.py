@@ -13,7 +13,7 @@ from __future__ import annotations
 from dsp_plugin.adapters.sharded import Sharded, check_divisible_lengths
 
 __all__ = ["LatteDSP", "Sharded", "SpatioTemporalDSP", "check_divisible_lengths", "parallelize_latte_pipeline",
-           "sampling_groups"]
+           "parallelize_wan_pipeline", "sampling_groups"]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy, so `import dsp_plugin.adapters` does not import diffusers
@@ -29,4 +29,8 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy, so `import dsp_plugin.adapte
         from dsp_plugin.adapters import pipeline
 
         return getattr(pipeline, name)
+    if name == "parallelize_wan_pipeline":
+        from dsp_plugin.adapters.pipeline_wan import parallelize_wan_pipeline
+
+        return parallelize_wan_pipeline
     raise AttributeError(f"module 'dsp_plugin.adapters' has no attribute {name!r}")

@@ -1,13 +1,13 @@
-"""Multi-process sampling for diffusers' ``LattePipeline``: latents sharded from the first step to the last.
+"""Multi-process sampling for diffusers pipelines: latents sharded from the first step to the last.
 
-``parallelize_latte_pipeline(pipe, dsp_group=..., cfg_group=...)`` returns a
-callable with ``LattePipeline.__call__``'s arguments that runs the same
-algorithm (the pipeline's own ``encode_prompt``, ``prepare_latents``, scheduler,
-``decode_latents`` and ``video_processor``) with the latents split once on the
-frame dim:
+``parallelize_latte_pipeline(pipe, dsp_group=..., cfg_group=...)`` (here) and
+``parallelize_wan_pipeline`` (``dsp_plugin.adapters.pipeline_wan``) return a
+callable with the pipeline's ``__call__`` arguments that runs the same algorithm
+(the pipeline's own ``encode_prompt``, ``prepare_latents``, scheduler, VAE
+decode and ``video_processor``) with the latents split once on the frame dim:
 
     noise [B, C, T, h, w] --split T--> [B, C, T/N, h, w]        once, before step 0
-    every step: transformer.forward_shard on the shard          2 all-to-alls per layer, no gather
+    every step: the transformer on the shard                    all-to-alls only, no gather
                 scheduler.step on the shard                     elementwise, no communication
     CFG parallel: the cond and uncond halves on a 2-way axis,   one all_gather of the noise shard
                   combined on both halves                       (size of the latent shard)
@@ -15,8 +15,10 @@ frame dim:
          (a VAE that mixes frames gets the gathered latents instead)
 
 Every rank ends with the full video. The scheduler's step must be
-deterministic (DDIM with ``eta=0``, DPM-Solver, Euler, ...): a stochastic step
-would draw noise of the shard's shape and the sample would depend on N.
+deterministic (DDIM with ``eta=0``, DPM-Solver, UniPC, Euler, ...): a stochastic
+step would draw noise of the shard's shape and the sample would depend on N.
+``FrameShardedSampler`` holds what the pipelines share (checks, groups, the
+shard, the CFG exchange); each pipeline's class holds its own loop.
 """
 
 from __future__ import annotations
@@ -28,38 +30,89 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsp_plugin.adapters.latte import LatteDSP
 from dsp_plugin.comm import gather, group_rank, group_size, split
 
-__all__ = ["DSPLattePipeline", "parallelize_latte_pipeline"]
+__all__ = ["DSPLattePipeline", "FrameShardedSampler", "parallelize_latte_pipeline", "sampling_groups"]
 
 STOCHASTIC_SCHEDULERS = ("DDPMScheduler", "EulerAncestralDiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
                          "DPMSolverSDEScheduler", "LCMScheduler", "TCDScheduler")
 
 
-class DSPLattePipeline:
-    """A ``LattePipeline`` whose transformer runs on a frame shard; see the module docstring."""
+class FrameShardedSampler:
+    """The part every frame-sharded sampler shares: the checks (each raised on every rank before any
+    collective), the DSP and CFG groups, the split and gather of the frames, and the CFG exchange."""
+
+    pipeline_class = ""      # the diffusers pipeline class this sampler takes
+    entry = ""               # the public function, named in errors
 
     def __init__(self, pipe: Any, *, dsp_group: dist.ProcessGroup | None = None,
                  cfg_group: dist.ProcessGroup | None = None) -> None:
-        from diffusers import LattePipeline
+        import diffusers
 
-        if not isinstance(pipe, LattePipeline):
-            raise TypeError(f"parallelize_latte_pipeline: expected a diffusers LattePipeline, got "
-                            f"{type(pipe).__name__}")
+        if not isinstance(pipe, getattr(diffusers, self.pipeline_class)):
+            raise TypeError(f"{self.entry}: expected a diffusers {self.pipeline_class}, got {type(pipe).__name__}")
         if cfg_group is not None and group_size(cfg_group) not in (1, 2):
-            raise ValueError(f"parallelize_latte_pipeline: the CFG group has {group_size(cfg_group)} ranks; "
+            raise ValueError(f"{self.entry}: the CFG group has {group_size(cfg_group)} ranks; "
                              f"expected 2 (conditional and unconditional halves) or 1")
+        config = pipe.scheduler.config
         name = type(pipe.scheduler).__name__
-        variance = getattr(pipe.scheduler.config, "algorithm_type", "")
-        if name in STOCHASTIC_SCHEDULERS or str(variance).startswith("sde"):
-            raise ValueError(f"parallelize_latte_pipeline: scheduler {name} draws noise in its step, which on a "
+        if (name in STOCHASTIC_SCHEDULERS or str(getattr(config, "algorithm_type", "")).startswith("sde")
+                or getattr(config, "stochastic_sampling", False)):
+            raise ValueError(f"{self.entry}: scheduler {name} draws noise in its step, which on a "
                              f"shard would depend on the DSP size; expected a deterministic scheduler "
-                             f"(DDIM with eta=0, DPMSolverMultistep, EulerDiscrete, ...)")
+                             f"(DDIM with eta=0, DPMSolverMultistep, UniPC, EulerDiscrete, FlowMatchEuler "
+                             f"without stochastic_sampling, ...)")
         self.pipe = pipe
-        self.transformer = LatteDSP(pipe.transformer, group=dsp_group)
         self.dsp_group = dsp_group
         self.cfg_group = cfg_group if cfg_group is not None and group_size(cfg_group) == 2 else None
+
+    def check_call(self, frames: int, what: str, guidance_scale: float, hint: str = "") -> bool:
+        """Refuse a frame count below the DSP size and a CFG group without guidance; return ``do_cfg``."""
+        n = group_size(self.dsp_group)
+        if frames < n:
+            raise ValueError(f"{type(self).__name__}: {what}={frames} is smaller than the DSP size {n}; "
+                             f"expected {what} >= {n}{hint}")
+        do_cfg = guidance_scale > 1.0
+        if self.cfg_group is not None and not do_cfg:
+            raise ValueError(f"{type(self).__name__}: guidance_scale={guidance_scale} turns classifier-free "
+                             f"guidance off, but the CFG group has 2 ranks; expected guidance_scale > 1 or "
+                             f"cfg_group=None")
+        return do_cfg
+
+    def cfg_half(self, uncond: Any, cond: Any) -> Any:
+        """Under CFG parallelism: CFG rank 0 runs the unconditional half, rank 1 the conditional one."""
+        return uncond if group_rank(self.cfg_group) == 0 else cond
+
+    def cfg_combine(self, noise: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """This rank's half of the guided noise, both halves exchanged with one all_gather."""
+        uncond, cond = gather(noise.unsqueeze(0).contiguous(), 0, group=self.cfg_group, global_len=2)
+        return guide(uncond, cond, guidance_scale)
+
+    def shard(self, full: torch.Tensor) -> torch.Tensor:
+        """``[B, C, T, h, w]`` -> this rank's frames ``[B, C, T/N, h, w]`` (no communication)."""
+        return split(full, 2, group=self.dsp_group)
+
+    def unshard(self, shard: torch.Tensor, frames: int) -> torch.Tensor:
+        """All frames back on every rank: one all_gather along dim 2."""
+        return gather(shard.contiguous(), 2, group=self.dsp_group, global_len=frames)
+
+
+def guide(uncond: torch.Tensor, cond: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+    """Classifier-free guidance, in the order diffusers' pipelines compute it."""
+    return uncond + guidance_scale * (cond - uncond)
+
+
+class DSPLattePipeline(FrameShardedSampler):
+    """A ``LattePipeline`` whose transformer runs on a frame shard; see the module docstring."""
+
+    pipeline_class, entry = "LattePipeline", "parallelize_latte_pipeline"
+
+    def __init__(self, pipe: Any, *, dsp_group: dist.ProcessGroup | None = None,
+                 cfg_group: dist.ProcessGroup | None = None) -> None:
+        from dsp_plugin.adapters.latte import LatteDSP
+
+        super().__init__(pipe, dsp_group=dsp_group, cfg_group=cfg_group)
+        self.transformer = LatteDSP(pipe.transformer, group=dsp_group)
 
     @torch.no_grad()
     def __call__(self, prompt: str | list[str] | None = None, negative_prompt: str | None = None, *,
@@ -78,19 +131,15 @@ class DSPLattePipeline:
             raise ValueError(f"DSPLattePipeline: eta={eta} makes the scheduler step draw noise of the shard's "
                              f"shape; expected eta=0.0")
         pipe.check_inputs(prompt, height, width, negative_prompt, None, prompt_embeds, negative_prompt_embeds)
-        n = group_size(self.dsp_group)
-        if video_length < n:
-            raise ValueError(f"DSPLattePipeline: video_length={video_length} is smaller than the DSP size {n}; "
-                             f"expected video_length >= {n}")
-        do_cfg = guidance_scale > 1.0
+        do_cfg = self.check_call(video_length, "video_length", guidance_scale)
         device = pipe._execution_device
         prompt_embeds, negative_prompt_embeds = pipe.encode_prompt(
             prompt, do_cfg, negative_prompt=negative_prompt if negative_prompt is not None else "",
             num_images_per_prompt=1, device=device, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, clean_caption=False, mask_feature=mask_feature)
         cfg_parallel = do_cfg and self.cfg_group is not None
-        if cfg_parallel:     # CFG rank 0 runs the unconditional half, rank 1 the conditional one
-            text = negative_prompt_embeds if group_rank(self.cfg_group) == 0 else prompt_embeds
+        if cfg_parallel:
+            text = self.cfg_half(negative_prompt_embeds, prompt_embeds)
         elif do_cfg:
             text = torch.cat([negative_prompt_embeds, prompt_embeds], dim=0)
         else:
@@ -100,7 +149,7 @@ class DSPLattePipeline:
         batch = prompt_embeds.shape[0]
         full = pipe.prepare_latents(batch, pipe.transformer.config.in_channels, video_length, height, width,
                                     prompt_embeds.dtype, device, generator, latents)
-        shard = split(full, 2, group=self.dsp_group)                 # [B, C, T/N, h, w], kept to the end
+        shard = self.shard(full)                                     # [B, C, T/N, h, w], kept to the end
         del full
         extra = pipe.prepare_extra_step_kwargs(generator, eta)
         learned_sigma = getattr(pipe.scheduler.config, "variance_type", None) in ("learned", "learned_range")
@@ -114,11 +163,9 @@ class DSPLattePipeline:
                                                    encoder_hidden_states=text,
                                                    enable_temporal_attentions=enable_temporal_attentions)
             if cfg_parallel:    # [B, C, T/N, h, w] from both halves -> [2, B, ...], one all_gather
-                uncond, cond = gather(noise.unsqueeze(0).contiguous(), 0, group=self.cfg_group, global_len=2)
-                noise = uncond + guidance_scale * (cond - uncond)
+                noise = self.cfg_combine(noise, guidance_scale)
             elif do_cfg:
-                uncond, cond = noise.chunk(2)
-                noise = uncond + guidance_scale * (cond - uncond)
+                noise = guide(*noise.chunk(2), guidance_scale)
             if not learned_sigma:
                 noise = noise.chunk(2, dim=1)[0]
             shard = pipe.scheduler.step(noise, t, shard, **extra, return_dict=False)[0]
@@ -133,14 +180,13 @@ class DSPLattePipeline:
         """Gather once: the latents (``output_type="latent"``) or the decoded pixels of each rank's frames."""
         pipe = self.pipe
         if output_type in ("latent", "latents"):
-            return gather(shard.contiguous(), 2, group=self.dsp_group, global_len=frames)
+            return self.unshard(shard, frames)
         chunk = decode_chunk_size or frames
         if "num_frames" in inspect.signature(pipe.vae.forward).parameters:   # a VAE that mixes frames
-            latents = gather(shard.contiguous(), 2, group=self.dsp_group, global_len=frames)
-            video = pipe.decode_latents(latents, frames, decode_chunk_size=chunk)
+            video = pipe.decode_latents(self.unshard(shard, frames), frames, decode_chunk_size=chunk)
         else:                          # 2D VAE: decode local frames, gather pixels [B, 3, T, H, W]
             local = pipe.decode_latents(shard, shard.shape[2], decode_chunk_size=chunk)
-            video = gather(local.contiguous(), 2, group=self.dsp_group, global_len=frames)
+            video = self.unshard(local, frames)
         return pipe.video_processor.postprocess_video(video=video, output_type=output_type)
 
 

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["tiny_latte", "tiny_latte_pipeline", "tiny_prompt_embeds", "tiny_spatiotemporal", "tiny_wan"]
+__all__ = ["tiny_latte", "tiny_latte_pipeline", "tiny_prompt_embeds", "tiny_spatiotemporal", "tiny_wan",
+           "tiny_wan_pipeline"]
 
 CAPTION_CHANNELS = 16
 
@@ -90,3 +91,34 @@ def tiny_wan(*, layers: int = 2, heads: int = 3, head_dim: int = 8, text_dim: in
             if p.abs().sum() == 0:
                 p.normal_(0, 0.02)
     return model
+
+
+def tiny_wan_pipeline(*, layers: int = 2, seed: int = 0, two_stage: bool = False) -> Any:
+    """A ``WanPipeline``: ``tiny_wan``, a tiny ``AutoencoderKLWan`` (x2 in time and space), a tiny UMT5 encoder
+    and a word-level tokenizer built in memory, UniPC (Wan's own scheduler, deterministic). Nothing is downloaded.
+
+    ``two_stage``: Wan 2.2's layout, a second transformer for the low-noise steps (``boundary_ratio=0.8``:
+    with 2 UniPC steps, t=999 runs on ``transformer`` and t=750 on ``transformer_2``)..
+    Height and width must be multiples of 16 (the pipeline's check); latent frames = (num_frames - 1) // 2 + 1.
+    """
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    words = ["<pad>", "</s>", "<unk>", "a", "cat", "dog", "walks", "runs", "on", "the", "grass", "beach", "blurry"]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>",
+                                        unk_token="<unk>")
+    torch.manual_seed(seed + 1)
+    text_encoder = UMT5EncoderModel(UMT5Config(vocab_size=len(words), d_model=CAPTION_CHANNELS, d_kv=8, d_ff=32,
+                                               num_layers=1, num_heads=2, relative_attention_num_buckets=8))
+    vae = AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                           latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0],
+                           scale_factor_temporal=2, scale_factor_spatial=2)
+    second = tiny_wan(layers=layers, text_dim=CAPTION_CHANNELS, seed=seed + 2) if two_stage else None
+    return WanPipeline(tokenizer=tokenizer, text_encoder=text_encoder.eval(), vae=vae.eval(),
+                       transformer=tiny_wan(layers=layers, text_dim=CAPTION_CHANNELS, seed=seed),
+                       scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                         flow_shift=3.0),
+                       transformer_2=second, boundary_ratio=0.8 if two_stage else None)
