@@ -36,7 +36,7 @@ from tests.test_plan_models import TOLERANCE, _batch, _build, _run  # noqa: E402
 
 def _other(batch: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     latents, timestep, text, target = batch
-    return latents.flip(2) * 0.5, timestep.flip(0), text * 2, target.flip(3)
+    return latents.flip(2), timestep.flip(0), text.flip(1), target.flip(3)
 
 
 class _Step:
