@@ -48,6 +48,7 @@ class _Step:
         with CommAccounting(activations=False) as self.forward_acct:
             out = model(self.latents, timestep, text, return_dict=False)[0]
         self.out, self.loss = out.detach(), torch.nn.functional.mse_loss(out, target)
+        self.kept_after_forward = recompute.kept()
 
     def backward(self) -> dict[str, Any]:
         """Backward; errors against the reference are filled in by :func:`_compare`."""
@@ -59,7 +60,8 @@ class _Step:
         dist.all_reduce(dx)
         grads = {k: p.grad.clone() for k, p in self.model.named_parameters() if p.grad is not None}
         return {"out": self.out, "dx": dx, "grads": grads, "bwd_a2a": acct.count("all_to_all", "backward"),
-                "fwd_a2a": self.forward_acct.count("all_to_all", "forward"), "kept": recompute.kept()}
+                "fwd_a2a": self.forward_acct.count("all_to_all", "forward"), "kept": recompute.kept(),
+                "kept_after_forward": self.kept_after_forward}
 
 
 def _compare(got: dict[str, Any], ref: tuple[Any, ...]) -> dict[str, float]:
@@ -67,7 +69,8 @@ def _compare(got: dict[str, Any], ref: tuple[Any, ...]) -> dict[str, float]:
     assert got["grads"].keys() == g_ref.keys(), sorted(set(got["grads"]) ^ set(g_ref))
     return {"out": (got["out"] - out_ref).abs().max().item(), "dx": (got["dx"] - dx_ref).abs().max().item(),
             "grads": max((got["grads"][k] - g_ref[k]).abs().max().item() for k in g_ref),
-            "bwd_a2a": got["bwd_a2a"], "fwd_a2a": got["fwd_a2a"], "kept": got["kept"]}
+            "bwd_a2a": got["bwd_a2a"], "fwd_a2a": got["fwd_a2a"], "kept": got["kept"],
+            "kept_after_forward": got["kept_after_forward"]}
 
 
 def _wan(rank: int, n: int) -> dict[str, dict[str, float]]:
@@ -112,6 +115,7 @@ def _check(name: str, n: int, results: list[dict[str, dict[str, float]]], fresh:
         assert plain == rows["plain"]["fwd_a2a"] > 0, rows["plain"]       # each switch's backward is one switch
         for row in fresh:  # the recompute issued nothing
             assert rows[row]["bwd_a2a"] == plain, (name, rank, row, rows[row], plain)
+        assert rows["plain"]["kept_after_forward"] == 0, rows["plain"]    # no checkpointing: nothing kept
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -120,12 +124,18 @@ def test_wan_recompute_issues_no_head_switch(n: int) -> None:
     _check("wan", n, results, ("checkpointed", "after_dropped_forward", "newer_second"))
     for rows in results:
         plain = rows["plain"]["bwd_a2a"]
+        assert rows["checkpointed"]["kept_after_forward"] == plain, rows    # each head switch's output
         # the older of two forwards in flight keeps nothing: its recompute runs its collectives (exact)
         assert rows["older_first"]["bwd_a2a"] == 2 * plain, rows["older_first"]
 
 
 def test_latte_recompute_issues_no_switch() -> None:
-    _check("latte", 2, run_distributed(_latte, 2), ("checkpointed", "no_early_stop"))
+    results = run_distributed(_latte, 2)
+    _check("latte", 2, results, ("checkpointed", "no_early_stop"))
+    for rows in results:
+        # a switch after a block ends its region: with early stop it is never recomputed, so not kept
+        assert rows["checkpointed"]["kept_after_forward"] == 0, rows
+        assert rows["no_early_stop"]["kept_after_forward"] == rows["plain"]["fwd_a2a"], rows
 
 
 # --------------------------------------------------------------------------- a user's own checkpoint, reentrant too
@@ -172,7 +182,7 @@ def _example_step(model: nn.Module, inputs: tuple[torch.Tensor, ...], parallel: 
         grads = [p.grad.clone() for p in model.parameters()]
         dist.all_reduce(dx)
     return {"out": out.detach(), "dx": dx, "grads": grads, "bwd_a2a": acct.count("all_to_all", "backward"),
-            "kept": recompute.kept()}
+            "bwd_collectives": acct.count(phase="backward"), "kept": recompute.kept()}
 
 
 def _examples(rank: int, n: int) -> dict[str, dict[str, float]]:
@@ -182,20 +192,24 @@ def _examples(rank: int, n: int) -> dict[str, dict[str, float]]:
     for name, (cls, lists, plan) in _EXAMPLES.items():
         inputs = (video,) if cls is VideoViT else (video, torch.randn(2, 5, 16, generator=g, dtype=torch.float64))
         ref = _example_step(cls().double(), inputs, parallel=False)
-        for mode in ("plain", "non_reentrant", "reentrant"):
+        for mode in ("plain", "non_reentrant", "reentrant", "whole_model"):
             model = cls().double()
-            if mode != "plain":
+            if mode in ("non_reentrant", "reentrant"):
                 for attr in lists:
                     blocks = getattr(model, attr)
                     for i in range(len(blocks)):
                         blocks[i] = _Checkpointed(blocks[i], reentrant=mode == "reentrant")
-            wrapped = plan if mode != "plain" else {k.replace(".inner", ""): v for k, v in plan.items()}
-            got = _example_step(dsp_plugin.parallelize(model, wrapped), inputs, parallel=True)
+            wrapped = plan if "reentrant" in mode else {k.replace(".inner", ""): v for k, v in plan.items()}
+            model = dsp_plugin.parallelize(model, wrapped)
+            if mode == "whole_model":  # one region: the entry split, every switch and the exit gather inside
+                model = _Checkpointed(model, reentrant=False)
+            got = _example_step(model, inputs, parallel=True)
             rows[f"{name} {mode}"] = {"out": (got["out"] - ref["out"]).abs().max().item(),
                                       "dx": (got["dx"] - ref["dx"]).abs().max().item(),
                                       "grads": max((a - b).abs().max().item() for a, b in zip(got["grads"],
                                                                                                ref["grads"])),
-                                      "bwd_a2a": got["bwd_a2a"], "kept": got["kept"]}
+                                      "bwd_a2a": got["bwd_a2a"], "bwd_collectives": got["bwd_collectives"],
+                                      "kept": got["kept"]}
     return rows
 
 
@@ -209,6 +223,8 @@ def test_user_checkpoint_reentrant_and_not_exact() -> None:
         for name in _EXAMPLES:
             plain = rows[f"{name} plain"]["bwd_a2a"]
             assert plain > 0 and rows[f"{name} non_reentrant"]["bwd_a2a"] == plain, (name, rows)
+            # the whole model in one region: no switch and no gather re-issued (a gather's backward is local)
+            assert rows[f"{name} whole_model"]["bwd_collectives"] == rows[f"{name} plain"]["bwd_collectives"] == plain
         # reentrant: the forward runs without grad, nothing is kept, the recompute runs the head switches
         assert rows["full_3d reentrant"]["bwd_a2a"] == 2 * rows["full_3d plain"]["bwd_a2a"], rows
 

@@ -191,12 +191,13 @@ def plan_switch(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], 
 
 def plan_gather(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str,
                 group: dist.ProcessGroup | None) -> torch.Tensor:
-    """S(shard) -> R: one all_gather; backward N x its own chunk (see the module docstring)."""
+    """S(shard) -> R: one all_gather, not re-issued under recompute; backward N x its own chunk (module docstring)."""
     n = group_size(group)
     if n == 1:
         return x
     u = _unfold(where, x, lay, grid, shard, group)
-    y = gather(u, lay.axes.index(shard), group=group, global_len=grid[shard])
+    y = recompute.replay((where, "gather"), lambda u: gather(
+        u, lay.axes.index(shard), group=group, global_len=grid[shard]), u)
     return scale_grad(_fold(y, lay), float(n))
 
 

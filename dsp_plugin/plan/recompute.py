@@ -4,8 +4,8 @@ diffusers checkpoints a block with ``torch.utils.checkpoint.checkpoint(block.__c
 ..., use_reentrant=False)``, so a plan's hooks run inside the checkpointed region and
 backward's recompute would run the region's switches and head switches a second
 time (Wan: 4 all-to-alls in backward become 8). :func:`replay` wraps each such
-collective at its call site (``ops.plan_switch``, the head switch in
-``plan.heads``):
+collective at its call site (``ops.plan_switch``, ``ops.plan_gather``, the head
+switch in ``plan.heads``):
 
 - forward, inside a region whose saved tensors are packed by hooks (a checkpoint):
   run the collective and keep its output (what torch's selective checkpointing,
@@ -29,8 +29,11 @@ data, so all ranks skip the same collectives.
 Memory: each kept output lives from its forward until its recompute takes it, or
 until the end of the backward that reached it, or until the next forward starts;
 nothing is kept when no saved-tensor hooks are active (no checkpointing) or grad is
-off (inference). A switch after a block (``tail``) is only recomputed when torch's
-checkpoint early stop is off, so only then is it kept. Not covered: reentrant
+off (inference). A switch after a block (``tail``) may end its checkpointed region,
+and torch's checkpoint early stop (the default) ends a recompute at the region's last
+saved tensor, before such a switch: so a tail's output is dropped at the next call
+site if its region has ended by then (the saved-tensor hooks changed), and kept when
+the region goes on (a checkpoint around several blocks) or early stop is off. Not covered: reentrant
 checkpointing (``use_reentrant=True``, Megatron's and DeepSpeed's) runs its forward
 without grad, where nothing is kept, so its recompute issues the collectives (exact,
 as before); GQA head switches (``to_heads`` saves an index there).
@@ -59,6 +62,7 @@ class _Generation:
         self.start, self.thread = start, thread
         self.entries: dict[Any, _Entry | None] = {}
         self.cleanup_queued: set[int] = set()
+        self.tails: list[tuple[Any, Any]] = []  # (key, its region's pack hook) until it ends
 
 
 class _Entry:
@@ -88,10 +92,26 @@ def kept() -> int:
         return 0 if _current is None else sum(e is not None for e in _current.entries.values())
 
 
-def _packing() -> bool:
-    """Saved-tensor hooks are active (a non-reentrant checkpoint region): the forward may be recomputed."""
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
-    return top is None or top(False) is not None
+def _pack_hook() -> Any:
+    """The innermost saved-tensor pack hook (a non-reentrant checkpoint region's), or None."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if top is None else top[0]
+
+
+def _drop_ended_tails() -> None:
+    """Tails whose region has ended will not be recomputed (early stop): drop them."""
+    with _lock:
+        gen = _current
+        if gen is None or not gen.tails or _early_stop_off():
+            return
+        pack, left = _pack_hook(), []
+        for key, region in gen.tails:
+            if region is not pack:
+                if isinstance(gen.entries.get(key), _Entry):
+                    del gen.entries[key]
+            else:
+                left.append((key, region))
+        gen.tails = left
 
 
 def _early_stop_off() -> bool:
@@ -119,7 +139,7 @@ def _clear_after_backward(generation: weakref.ref[_Generation]) -> Callable[[tor
     return hook
 
 
-def _keep(key: Any, inputs: tuple[Any, ...], out: Any) -> None:
+def _keep(key: Any, inputs: tuple[Any, ...], out: Any, tail: bool) -> None:
     outs = [out] if isinstance(out, torch.Tensor) else list(out)
     with _lock:
         gen = _current
@@ -130,6 +150,8 @@ def _keep(key: Any, inputs: tuple[Any, ...], out: Any) -> None:
             return
         gen.entries[key] = _Entry([o.detach() for o in outs], isinstance(out, torch.Tensor),
                                   [_edge(t) for t in inputs], [_edge(o) for o in outs])
+        if tail:
+            gen.tails.append((key, _pack_hook()))
     ref = weakref.ref(gen)
     for o in outs:  # the hook holds the generation weakly: it never keeps an output alive
         if o.requires_grad:
@@ -174,8 +196,8 @@ def replay(key: Any, fn: Callable[..., Any], *inputs: Any, enabled: bool = True,
     """``fn(*inputs)`` (a collective: a tensor or a tuple of tensors), not re-issued under recompute.
 
     ``key`` names the call site (the module path and which collective); ``enabled``
-    must be the same on every rank; ``tail``: the call is the last thing in its
-    checkpointed region (a switch after a block), recomputed only without early stop.
+    must be the same on every rank; ``tail``: the call may be the last thing in its
+    checkpointed region (a switch after a block).
     """
     if not enabled:
         return fn(*inputs)
@@ -185,7 +207,8 @@ def replay(key: Any, fn: Callable[..., Any], *inputs: Any, enabled: bool = True,
             return fn(*inputs)
         out = _Replay.apply(entry, *inputs)
         return out[0] if entry.single else out
+    _drop_ended_tails()
     out = fn(*inputs)
-    if torch.is_grad_enabled() and _packing() and (not tail or _early_stop_off()):
-        _keep(key, inputs, out)
+    if torch.is_grad_enabled() and _pack_hook() is not None:
+        _keep(key, inputs, out, tail)
     return out
