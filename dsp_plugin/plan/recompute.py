@@ -13,14 +13,16 @@ switch in ``plan.heads``):
 - recompute (backward is running): hand the recompute the forward's output instead
   of issuing the collective again. The replayed output's backward is the original
   op's own backward (its autograd nodes, reached through gradient edges), for a
-  recompute graph that is differentiated (double backward);
+  checkpoint that differentiates its recompute (torch's non-reentrant one only
+  takes the recomputed tensors, detached);
 - no kept output (none was kept, or it cannot be told apart from another): run the
   collective, which is always correct.
 
 Matching a recompute to its forward is exact: every top-level forward of a
 parallelized model opens a *generation* (:func:`forward_starts`) at autograd's
 current sequence number, and a recompute belongs to the generation of the autograd
-node that triggered it (nodes are numbered in creation order). Only the newest
+node that triggered it (nodes are numbered in creation order, per thread: outputs
+are kept only on the thread that opened the generation). Only the newest
 generation is kept, so a recompute of an older forward (two forwards, then their
 backwards) runs its collectives; a call site met twice in one generation (a module
 called twice) keeps nothing. Every decision follows the program order, never the
@@ -33,8 +35,9 @@ off (inference). A switch after a block (``tail``) may end its checkpointed regi
 and torch's checkpoint early stop (the default) ends a recompute at the region's last
 saved tensor, before such a switch: so a tail's output is dropped at the next call
 site if its region has ended by then (the saved-tensor hooks changed), and kept when
-the region goes on (a checkpoint around several blocks) or early stop is off. Not covered: reentrant
-checkpointing (``use_reentrant=True``, Megatron's and DeepSpeed's) runs its forward
+the region goes on (a checkpoint around several blocks) or early stop is off.
+
+Not covered: reentrant checkpointing (``use_reentrant=True``, Megatron's and DeepSpeed's) runs its forward
 without grad, where nothing is kept, so its recompute issues the collectives (exact,
 as before); GQA head switches (``to_heads`` saves an index there).
 """
