@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+from dsp_plugin.plan import recompute
 
 __all__ = ["enter_heads", "exit_heads"]
 
@@ -56,9 +57,12 @@ class _HeadSwitchMode(TorchFunctionMode):
         heads, local, full = q.shape[1], [a for a, _ in self.lengths], [b for _, b in self.lengths]
         seq, width = 2 + self.axis, len(self.lengths)
         q, k, v = (t.unflatten(2, local) for t in (q, k, v))
-        q, k, v = to_heads(q, k, v, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis])
+        q, k, v = recompute.replay((self.where, "to_heads"), lambda *qkv: to_heads(  # GQA: not kept (recompute.py)
+            *qkv, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis]), q, k, v,
+            enabled=k.shape[1] == heads)
         out = func(*(t.flatten(2, 1 + width) for t in (q, k, v)), **call).unflatten(2, full)
-        out = from_heads(out, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis], heads=heads)
+        out = recompute.replay((self.where, "from_heads"), lambda o: from_heads(
+            o, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis], heads=heads), out)
         return out.flatten(2, 1 + width)
 
 

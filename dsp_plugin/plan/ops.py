@@ -27,6 +27,7 @@ from dsp_plugin import comm
 from dsp_plugin import layout as carrier
 from dsp_plugin.comm import chunk_sizes, dynamic_switch, gather, group_rank, group_size
 from dsp_plugin.packing import offsets
+from dsp_plugin.plan import recompute
 from dsp_plugin.plan.spec import Layout
 
 __all__ = ["infer_grid", "plan_gather", "plan_split", "plan_switch", "read_spec", "scale_grad", "spec_for"]
@@ -177,24 +178,26 @@ def plan_split(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], s
 
 
 def plan_switch(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], cur: str, tgt: str,
-                group: Any) -> torch.Tensor:
-    """S(cur) -> S(tgt) of ``x`` in ``lay``: one all-to-all; tagged."""
+                group: Any, *, tail: bool = False) -> torch.Tensor:
+    """S(cur) -> S(tgt) of ``x`` in ``lay``: one all-to-all, not re-issued under recompute; tagged."""
     if group_size(group) == 1:
         return x
     u = _unfold(where, x, lay, grid, cur, group)
     axes = lay.axes
-    y = dynamic_switch(u, axes.index(cur), axes.index(tgt), group=group, global_len=grid[cur])
+    y = recompute.replay((where, "switch", cur, tgt), lambda u: dynamic_switch(
+        u, axes.index(cur), axes.index(tgt), group=group, global_len=grid[cur]), u, tail=tail)
     return _tag(_fold(y, lay), lay, grid, tgt)
 
 
 def plan_gather(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str,
                 group: dist.ProcessGroup | None) -> torch.Tensor:
-    """S(shard) -> R: one all_gather; backward N x its own chunk (see the module docstring)."""
+    """S(shard) -> R: one all_gather, not re-issued under recompute; backward N x its own chunk (module docstring)."""
     n = group_size(group)
     if n == 1:
         return x
     u = _unfold(where, x, lay, grid, shard, group)
-    y = gather(u, lay.axes.index(shard), group=group, global_len=grid[shard])
+    y = recompute.replay((where, "gather"), lambda u: gather(
+        u, lay.axes.index(shard), group=group, global_len=grid[shard]), u)
     return scale_grad(_fold(y, lay), float(n))
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from dsp_plugin.comm import group_size
-from dsp_plugin.plan import ops
+from dsp_plugin.plan import ops, recompute
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
 __all__ = ["apply_plan", "expand", "sharded_io"]
@@ -150,6 +150,7 @@ class _Runtime:
         return None
 
     def root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        recompute.forward_starts()  # kept collective outputs belong to one forward (plan/recompute.py)
         a = _Args(module, args, kwargs)
         io = _sharded_io()
         if io is not None:
@@ -286,7 +287,7 @@ class _Runtime:
             return None
         first = output[0] if isinstance(output, tuple) else output
         if spec.out_shard is not None and spec.out_shard != shard:
-            first = ops.plan_switch(path, first, spec.layout, grid, shard, spec.out_shard, self.group)
+            first = ops.plan_switch(path, first, spec.layout, grid, shard, spec.out_shard, self.group, tail=True)
             shard = spec.out_shard
         else:
             first = ops.tag(first, spec.layout, grid, shard)
