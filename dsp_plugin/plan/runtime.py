@@ -186,7 +186,7 @@ class _Runtime:
                 elif isinstance(spec, Heads):
                     from dsp_plugin.plan.heads import enter_heads
 
-                    enter_heads(path, self.group)
+                    enter_heads(path, self.group, spec.joint)
                 elif isinstance(spec, Gather) and spec.arg != "out":
                     a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
                 elif isinstance(spec, Positions):
