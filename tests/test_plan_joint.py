@@ -1,0 +1,145 @@
+"""Joint attention: text tokens replicated on every rank, through the head switch (``Heads(joint=...)``).
+
+Oracle: the unmodified ``JointDiT`` (``dsp_plugin.plan.examples``) on one process, in fp64, on the same
+weights and batch: 3 heads, 5 frames x 9 patches (uneven frames on 2 and 4 ranks; on 4 one rank holds no
+head), 7 text tokens before the video tokens (CogVideoX) or after them (SD3). docs/models.md's plan runs as
+printed. Output, the video and the text input gradients and every parameter gradient summed over the group
+(the project's convention) within 1e-9; two SGD steps equal to one process; the collectives of one forward
+and backward counted; the text output's bytes packed into the all-to-all against a separate all_gather
+over heads, measured; a text-token count that differs across ranks fails on every rank.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dsp_plugin import comm, reduce_gradients
+from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.heads import head_ranges
+from dsp_plugin.plan import Heads
+from dsp_plugin.plan.examples import JointDiT
+from tests.distributed import run_distributed
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYERS, HEADS, TEXT, HEAD_DIM = 2, 3, 7, 6   # JointDiT's defaults: 2 blocks, dim 18 = 3 heads x 6
+
+
+def _doc_block() -> str:
+    text = (ROOT / "docs/models.md").read_text()
+    section = text[text.index("### Joint attention"):text.index("## Adapters")]
+    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return code
+
+
+def test_doc_plan_is_short() -> None:
+    plan = re.search(r"_PLAN = \{\n(.*?)\n\}", _doc_block(), flags=re.S)
+    assert plan is not None and len(plan.group(1).splitlines()) + 2 <= 20
+
+
+def test_heads_rejects_an_unknown_place() -> None:
+    with pytest.raises(ValueError, match="expected None, 'first' or 'last'"):
+        Heads(joint="middle")
+
+
+def _batch(seed: int, text_len: int = TEXT) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(2, 5, 9, 4, generator=g), torch.randn(2, text_len, 6, generator=g),
+            torch.rand(2, generator=g), torch.randn(2, 5, 9, 4, generator=g))
+
+
+def _run(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> tuple[object, ...]:
+    video, text, t, target = batch
+    video, text = video.clone().requires_grad_(True), text.clone().requires_grad_(True)
+    with CommAccounting(activations=False) as acct:
+        out = model(video, text, t)
+        torch.nn.functional.mse_loss(out, target).backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), video.grad, text.grad, grads, acct
+
+
+def _worker(rank: int, n: int) -> dict[str, object]:
+    torch.set_default_dtype(torch.float64)
+    scope: dict = {"__name__": "__docs__"}
+    exec(compile(_doc_block(), "docs/models.md", "exec"), scope)  # noqa: S102 - our own docs; asserts the output
+    import dsp_plugin
+
+    result: dict[str, object] = {}
+    models = {"first": scope["model"]}
+    plan_last = dict(scope["JOINT_PLAN"]) | {"blocks.*.attn": Heads(joint="last")}
+    models["last"] = dsp_plugin.parallelize(JointDiT(text_first=False), plan_last)
+    for where, model in models.items():
+        reference = JointDiT(text_first=where == "first")
+        model.zero_grad()
+        batch = _batch(1)
+        out_ref, dv_ref, dt_ref, g_ref, _ = _run(reference, batch)
+        out, dv, dt, _, acct = _run(model, batch)
+        reduce_gradients(model.parameters())
+        dist.all_reduce(dv)
+        dist.all_reduce(dt)
+        grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+        assert grads.keys() == g_ref.keys(), sorted(set(grads) ^ set(g_ref))
+        result |= {f"{where}_out": (out - out_ref).abs().max().item(),
+                   f"{where}_dvideo": (dv - dv_ref).abs().max().item(),
+                   f"{where}_dtext": (dt - dt_ref).abs().max().item(),
+                   f"{where}_grads": max((grads[k] - g_ref[k]).abs().max().item() for k in grads),
+                   f"{where}_counts": {f"{op}/{phase}": acct.count(op, phase) for op in ("all_to_all", "all_gather")
+                                       for phase in ("forward", "backward")} | {"all/all": acct.count()}}
+    # the text output's bytes: packed into from_heads' all-to-all (this rank's heads of it to every rank)
+    # against a separate all_gather of it over heads (uneven head chunks padded), per forward of LAYERS blocks
+    model = models["first"]
+    sent = []
+    for text_len in (TEXT, 0):
+        with CommAccounting(activations=False) as acct:
+            model(*_batch(2, text_len)[:3])
+        sent.append(acct.bytes_sent("all_to_all", "forward"))
+    mine = head_ranges(HEADS, n)[rank][1]
+    with CommAccounting(activations=False) as acct:
+        for _ in range(LAYERS):
+            comm.gather(torch.zeros(2, mine, TEXT, HEAD_DIM), 1, global_len=HEADS)
+    result |= {"packed_text_bytes": sent[0] - sent[1], "all_gather_text_bytes": acct.bytes_sent("all_gather"),
+               "all_gather_text_count": acct.count("all_gather"), "packed_text_expected":
+               LAYERS * (n - 1) * 2 * mine * TEXT * HEAD_DIM * 8}
+    # two SGD steps with nothing in the loop but reduce_gradients
+    reference = JointDiT()
+    opt, opt_ref = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference))
+    for step in range(2):
+        video, text, t, target = _batch(10 + step)
+        for m, o in ((model, opt), (reference, opt_ref)):
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(video, text, t), target).backward()
+            if m is model:
+                reduce_gradients(m.parameters())
+            o.step()
+    result["trained"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+    # a text-token count that differs across ranks (3 + rank, never seen before): the same error everywhere
+    video, text, t, _ = _batch(3, 3 + rank)
+    try:
+        model(video, text, t)
+        result["mismatch"] = "no error"
+    except ValueError as exc:
+        result["mismatch"] = f"{type(exc).__name__}: {exc}"
+    dist.barrier()
+    return result
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_joint_attention_equals_one_process(n: int) -> None:
+    for rank, d in enumerate(run_distributed(_worker, n)):
+        print(f"n={n} rank {rank}: {d}")
+        for where in ("first", "last"):
+            for key in ("out", "dvideo", "dtext", "grads"):
+                assert d[f"{where}_{key}"] < 1e-9, (rank, where, key, d)
+            # per joint attention: to heads 1 + back 1 (the text output packed in); the exit's all_gather
+            assert d[f"{where}_counts"] == {"all_to_all/forward": 2 * LAYERS, "all_to_all/backward": 2 * LAYERS,
+                                            "all_gather/forward": 1, "all_gather/backward": 0,
+                                            "all/all": 4 * LAYERS + 1}, d
+        assert d["trained"] < 1e-9, d
+        assert d["packed_text_bytes"] == d["packed_text_expected"], d
+        assert d["all_gather_text_count"] == LAYERS and d["all_gather_text_bytes"] >= d["packed_text_bytes"], d
+        assert d["mismatch"].startswith("CrossRankMismatch") and "count of replicated tokens" in d["mismatch"] \
+            and all(f"{3 + r} on rank {r}" in d["mismatch"] for r in range(n)), d
