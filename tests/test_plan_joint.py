@@ -143,3 +143,68 @@ def test_joint_attention_equals_one_process(n: int) -> None:
         assert d["all_gather_text_count"] == LAYERS and d["all_gather_text_bytes"] >= d["packed_text_bytes"], d
         assert d["mismatch"].startswith("CrossRankMismatch") and "count of replicated tokens" in d["mismatch"] \
             and all(f"{3 + r} on rank {r}" in d["mismatch"] for r in range(n)), d
+
+
+def _tiny_cogvideox(rope: bool) -> torch.nn.Module:
+    """A diffusers ``CogVideoXTransformer3DModel``: 3 heads of 16, 2 layers, patch 2, 7 text tokens; random weights."""
+    from diffusers import CogVideoXTransformer3DModel
+
+    torch.manual_seed(0)
+    model = CogVideoXTransformer3DModel(
+        num_attention_heads=HEADS, attention_head_dim=16, in_channels=4, out_channels=4, time_embed_dim=16,
+        text_embed_dim=16, num_layers=LAYERS, sample_width=6, sample_height=6, sample_frames=17, patch_size=2,
+        max_text_seq_length=TEXT, use_rotary_positional_embeddings=rope).double()
+    with torch.no_grad():
+        for p in model.parameters():  # zero-initialised tables would hide a path
+            if p.abs().sum() == 0:
+                p.normal_(0, 0.02)
+    return model
+
+
+def _cogvideox_worker(rank: int, n: int) -> dict[str, object]:
+    import copy
+
+    import dsp_plugin
+
+    torch.set_default_dtype(torch.float64)
+    result: dict[str, object] = {}
+    g = torch.Generator().manual_seed(4)
+    latents, text = torch.randn(2, 5, 4, 6, 6, generator=g), torch.randn(2, TEXT, 16, generator=g)
+    timestep, target = torch.tensor([3, 700]), torch.randn(2, 5, 4, 6, 6, generator=g)
+    # CogVideoX 5b's 3D RoPE: the pipeline passes (cos, sin) for the 5 x 3 x 3 video tokens
+    tables = (torch.randn(45, 16, generator=g), torch.randn(45, 16, generator=g))
+    for rope in (False, True):
+        reference = _tiny_cogvideox(rope)
+        model = dsp_plugin.parallelize(copy.deepcopy(reference))   # the built-in plan, found from the class
+        kwargs = {"image_rotary_emb": tables} if rope else {}
+        runs = []
+        for m in (reference, model):
+            x, e = latents.clone().requires_grad_(True), text.clone().requires_grad_(True)
+            with CommAccounting(activations=False) as acct:
+                out = m(x, e, timestep, return_dict=False, **kwargs)[0]
+                torch.nn.functional.mse_loss(out, target).backward()
+            runs.append((out.detach(), x.grad, e.grad, acct))
+        reduce_gradients(model.parameters())
+        (out_ref, dx_ref, de_ref, _), (out, dx, de, acct) = runs
+        dist.all_reduce(dx)
+        dist.all_reduce(de)
+        grads = {k: (p.grad, q.grad) for (k, p), q in zip(model.named_parameters(), reference.parameters())
+                 if q.grad is not None}
+        tag = "rope" if rope else "sincos"
+        result |= {f"{tag}_out": (out - out_ref).abs().max().item(), f"{tag}_dvideo": (dx - dx_ref).abs().max().item(),
+                   f"{tag}_dtext": (de - de_ref).abs().max().item(),
+                   f"{tag}_grads": max((a - b).abs().max().item() for a, b in grads.values()),
+                   f"{tag}_counts": (acct.count("all_to_all", "forward"), acct.count("all_gather", "forward"),
+                                     acct.count(phase="backward"))}
+    return result
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_cogvideox_builtin_plan_equals_one_process(n: int) -> None:
+    pytest.importorskip("diffusers")
+    for rank, d in enumerate(run_distributed(_cogvideox_worker, n)):
+        print(f"CogVideoX n={n} rank {rank}: {d}")
+        for tag in ("sincos", "rope"):
+            for key in ("out", "dvideo", "dtext", "grads"):
+                assert d[f"{tag}_{key}"] < 1e-9, (rank, tag, key, d)
+            assert d[f"{tag}_counts"] == (2 * LAYERS, 1, 2 * LAYERS), d   # no all_gather for the text

@@ -123,7 +123,7 @@ class JointBlock(nn.Module):
 
 
 class JointDiT(nn.Module):
-    """``video [B, T, S, C]``, ``text [B, R, E]``, ``timestep [B]`` -> ``[B, T, S, C]``: joint attention over R + T*S."""
+    """``video [B, T, S, C]``, ``text [B, R, E]``, ``timestep [B]`` -> ``[B, T, S, C]``; joint attention, R + T*S."""
 
     def __init__(self, channels: int = 4, text_dim: int = 6, dim: int = 18, heads: int = 3, layers: int = 2,
                  text_first: bool = True, seed: int = 0) -> None:
