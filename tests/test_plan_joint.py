@@ -173,9 +173,12 @@ def _cogvideox_worker(rank: int, n: int) -> dict[str, object]:
     timestep, target = torch.tensor([3, 700]), torch.randn(2, 5, 4, 6, 6, generator=g)
     # CogVideoX 5b's 3D RoPE: the pipeline passes (cos, sin) for the 5 x 3 x 3 video tokens
     tables = (torch.randn(45, 16, generator=g), torch.randn(45, 16, generator=g))
-    for rope in (False, True):
+    for rope, ckpt in ((False, False), (True, False), (True, True)):
         reference = _tiny_cogvideox(rope)
-        model = dsp_plugin.parallelize(copy.deepcopy(reference))   # the built-in plan, found from the class
+        model = copy.deepcopy(reference)
+        if ckpt:  # the model's own gradient checkpointing: the recompute reruns the head switches
+            model.enable_gradient_checkpointing()
+        model = dsp_plugin.parallelize(model)   # the built-in plan, found from the class
         kwargs = {"image_rotary_emb": tables} if rope else {}
         runs = []
         for m in (reference, model):
@@ -190,7 +193,7 @@ def _cogvideox_worker(rank: int, n: int) -> dict[str, object]:
         dist.all_reduce(de)
         grads = {k: (p.grad, q.grad) for (k, p), q in zip(model.named_parameters(), reference.parameters())
                  if q.grad is not None}
-        tag = "rope" if rope else "sincos"
+        tag = ("rope" if rope else "sincos") + ("_ckpt" if ckpt else "")
         result |= {f"{tag}_out": (out - out_ref).abs().max().item(), f"{tag}_dvideo": (dx - dx_ref).abs().max().item(),
                    f"{tag}_dtext": (de - de_ref).abs().max().item(),
                    f"{tag}_grads": max((a - b).abs().max().item() for a, b in grads.values()),
@@ -204,7 +207,57 @@ def test_cogvideox_builtin_plan_equals_one_process(n: int) -> None:
     pytest.importorskip("diffusers")
     for rank, d in enumerate(run_distributed(_cogvideox_worker, n)):
         print(f"CogVideoX n={n} rank {rank}: {d}")
-        for tag in ("sincos", "rope"):
+        for tag in ("sincos", "rope", "rope_ckpt"):
             for key in ("out", "dvideo", "dtext", "grads"):
                 assert d[f"{tag}_{key}"] < 1e-9, (rank, tag, key, d)
-            assert d[f"{tag}_counts"] == (2 * LAYERS, 1, 2 * LAYERS), d   # no all_gather for the text
+            # no all_gather for the text; under checkpointing the recompute reruns the 2 switches of each layer
+            backward = 2 * LAYERS * (2 if tag.endswith("ckpt") else 1)
+            assert d[f"{tag}_counts"] == (2 * LAYERS, 1, backward), d
+
+
+def _primitive_worker(rank: int, n: int) -> dict[str, float]:
+    """``to_heads(replicated=)`` / ``from_heads(replicated=)`` around GQA attention against one process.
+
+    10 query heads reading 2 K/V heads on 4 ranks (head chunks 3, 3, 2, 2: rank 1's query heads 3, 4, 5 read
+    K/V heads 0, 0, 1, so its K/V are repeated locally), 5 video tokens sharded (2, 1, 1, 1), 3 text tokens
+    whole on every rank.
+    """
+    from dsp_plugin import from_heads, to_heads
+    from dsp_plugin.comm import chunk_sizes
+    from dsp_plugin.packing import offsets
+
+    torch.set_default_dtype(torch.float64)
+    F = torch.nn.functional
+    g = torch.Generator().manual_seed(7)
+    video = [torch.randn(2, 5, h, 4, generator=g) for h in (10, 2, 2)]     # q, k, v [B, S, heads, Dh]
+    text = [torch.randn(2, 3, h, 4, generator=g) for h in (10, 2, 2)]
+    weight = torch.randn(2, 8, 10, 4, generator=g)                         # a loss over every output token
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), enable_gqa=True).transpose(1, 2)
+
+    full = [torch.cat([t, x], dim=1).requires_grad_(True) for t, x in zip(text, video)]
+    (attend(*full) * weight).sum().backward()
+    start, size = offsets(chunk_sizes(5, n))[rank], chunk_sizes(5, n)[rank]
+    mine = [x.narrow(1, start, size).clone().requires_grad_(True) for x in video]
+    whole = [t.clone().requires_grad_(True) for t in text]
+    q, k, v, q_t, k_t, v_t = to_heads(*mine, seq_dim=1, head_dim=2, global_len=5, replicated=tuple(whole))
+    out = attend(torch.cat([q_t, q], dim=1), torch.cat([k_t, k], dim=1), torch.cat([v_t, v], dim=1))
+    out_v, out_t = from_heads(out[:, 3:], seq_dim=1, head_dim=2, global_len=5, heads=10, replicated=out[:, :3])
+    ref = attend(*full).detach()
+    # the text output is replicated: each rank's loss counts it 1/n, so the gradients sum to the one-process ones
+    ((out_v * weight[:, 3:].narrow(1, start, size)).sum() + (out_t * weight[:, :3]).sum() / n).backward()
+    text_grads = [t.grad.clone() for t in whole]
+    for t in text_grads:
+        dist.all_reduce(t)
+    return {"out_video": (out_v - ref[:, 3:].narrow(1, start, size)).abs().max().item(),
+            "out_text": (out_t - ref[:, :3]).abs().max().item(),
+            "grad_video": max((x.grad - f.grad[:, 3:].narrow(1, start, size)).abs().max().item()
+                              for x, f in zip(mine, full)),
+            "grad_text": max((t - f.grad[:, :3]).abs().max().item() for t, f in zip(text_grads, full))}
+
+
+def test_primitives_with_replicated_tokens_and_gqa() -> None:
+    for rank, d in enumerate(run_distributed(_primitive_worker, 4)):
+        print(f"primitives n=4 rank {rank}: {d}")
+        assert max(d.values()) < 1e-12, (rank, d)
