@@ -21,8 +21,8 @@ import torch.distributed as dist
 from dsp_plugin import comm, reduce_gradients
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.heads import head_ranges
-from dsp_plugin.plan import Heads
-from dsp_plugin.plan.examples import JointDiT
+from dsp_plugin.plan import Block, Heads, Split
+from dsp_plugin.plan.examples import Attention, JointDiT
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,8 +123,34 @@ def _worker(rank: int, n: int) -> dict[str, object]:
         result["mismatch"] = "no error"
     except ValueError as exc:
         result["mismatch"] = f"{type(exc).__name__}: {exc}"
+    # rank 0's attention holds one token fewer than its shard: its own error, raised on every rank
+    short = dsp_plugin.parallelize(_Short(), {"block": [Split("x", "B L D", shard="L"), Block("B L D", arg="x")],
+                                              "block.attn": Heads(joint="last")})
+    try:
+        short(torch.randn(2, 9, 18))
+        result["short"] = "no error"
+    except ValueError as exc:
+        result["short"] = f"{type(exc).__name__}: {exc}"
     dist.barrier()
     return result
+
+
+class _ShortBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Attention(18, HEADS)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attn(x[:, 1:] if dist.get_rank() == 0 else x)
+
+
+class _Short(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = _ShortBlock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -141,6 +167,8 @@ def test_joint_attention_equals_one_process(n: int) -> None:
         assert d["trained"] < 1e-9, d
         assert d["packed_text_bytes"] == d["packed_text_expected"], d
         assert d["all_gather_text_count"] == LAYERS and d["all_gather_text_bytes"] >= d["packed_text_bytes"], d
+        assert d["short"].startswith("CrossRankMismatch") and "rank(s) [0]" in d["short"] \
+            and "expects the replicated tokens plus this rank's" in d["short"], d
         assert d["mismatch"].startswith("CrossRankMismatch") and "count of replicated tokens" in d["mismatch"] \
             and all(f"{3 + r} on rank {r}" in d["mismatch"] for r in range(n)), d
 
