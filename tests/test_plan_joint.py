@@ -20,10 +20,11 @@ import torch.distributed as dist
 
 from dsp_plugin import comm, reduce_gradients
 from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.checks import check_mode
 from dsp_plugin.heads import head_ranges
 from dsp_plugin.plan import Block, Heads, Split
 from dsp_plugin.plan.examples import Attention, JointDiT
-from tests.distributed import run_distributed
+from tests.distributed import assert_no_steady_state_checks, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, HEADS, TEXT, HEAD_DIM = 2, 3, 7, 6   # JointDiT's defaults: 2 blocks, dim 18 = 3 heads x 6
@@ -111,10 +112,13 @@ def _worker(rank: int, n: int) -> dict[str, object]:
         video, text, t, target = _batch(10 + step)
         for m, o in ((model, opt), (reference, opt_ref)):
             o.zero_grad()
-            torch.nn.functional.mse_loss(m(video, text, t), target).backward()
+            with CommAccounting(activations=False) as acct:
+                torch.nn.functional.mse_loss(m(video, text, t), target).backward()
             if m is model:
                 reduce_gradients(m.parameters())
+                checks = acct.check_records
             o.step()
+    assert_no_steady_state_checks(checks, check_mode(), "the joint model's second step")  # lengths all known
     result["trained"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
     # a text-token count that differs across ranks (3 + rank, never seen before): the same error everywhere
     video, text, t, _ = _batch(3, 3 + rank)
