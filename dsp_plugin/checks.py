@@ -46,7 +46,8 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _MAX_DIMS = 12
 _MSG_BYTES = 320
-_HEADER = ("op", "dtype", "ndim", "cur", "tgt", "global_len", "local_len", "group_size", "group_hash", "device")
+_HEADER = ("op", "dtype", "ndim", "cur", "tgt", "global_len", "local_len", "group_size", "group_hash", "device",
+           "replicated")
 LENGTH = 1 + len(_HEADER) + _MAX_DIMS + 1 + _MSG_BYTES // 8   # int64 words
 _MAGIC = 0x44535031  # "DSP1"
 MAGIC = _MAGIC
@@ -126,16 +127,18 @@ class CallFingerprint:
     group_hash: int
     device: str
     error: str = ""   # this rank's own error, raised on every rank
+    replicated: int = -1  # tokens every rank holds whole beside its shard (joint attention's text), -1 if none
 
     def signature(self) -> tuple[object, ...]:
         return (self.op, self.dtype, self.shape, self.cur, self.tgt, self.global_len, self.local_len,
-                self.group_size, self.group_hash, self.device)
+                self.group_size, self.group_hash, self.device, self.replicated)
 
     def encode(self) -> list[int]:
         msg = self.error.encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
         dtype = _DTYPES.index(self.dtype) if self.dtype in _DTYPES else (-1 if self.dtype is None else 99)
         header = [_OPS.index(self.op), dtype, len(self.shape), self.cur, self.tgt, self.global_len,
-                  self.local_len, self.group_size, self.group_hash, {"cpu": 0, "cuda": 1}.get(self.device, 2)]
+                  self.local_len, self.group_size, self.group_hash, {"cpu": 0, "cuda": 1}.get(self.device, 2),
+                  self.replicated]
         shape = list(self.shape[:_MAX_DIMS]) + [-2] * (_MAX_DIMS - len(self.shape[:_MAX_DIMS]))
         words = [int.from_bytes(msg[i:i + 8], "little", signed=True) for i in range(0, _MSG_BYTES, 8)]
         return [_MAGIC, *header, *shape, len(self.error.encode()[:_MSG_BYTES]), *words]
@@ -188,7 +191,9 @@ def _describe(field: str, values: list[object], cur: int) -> str:
     by_rank = ", ".join(f"{v} on rank {r}" for r, v in enumerate(values))
     names = {"global_len": f"the full length of dim {cur} (global_len)", "cur": "the sharded input dim",
              "tgt": "the target dim", "shape": "the shape (sharded dim as -1)", "group_hash": "the group",
-             "op": "the primitive", "local_len": "the local length"}
+             "op": "the primitive", "local_len": "the local length",
+             "replicated": "the count of replicated tokens (held whole by every rank beside its shard, e.g. the "
+                           "text of joint attention)"}
     return f"{names.get(field, field)} is {by_rank}"
 
 
@@ -212,7 +217,8 @@ def judge(op: str, table: list[list[int]], ranks: Sequence[int], chunk_sizes) ->
         raise CrossRankMismatch(f"{op}: rank(s) {[r for r, _ in failed]} of group {list(ranks)} rejected their "
                                 f"input before the collective, so every rank stops here. {detail}")
     cur = int(rows[0]["cur"])
-    for field in ("op", "group_hash", "group_size", "dtype", "device", "cur", "tgt", "shape", "global_len"):
+    for field in ("op", "group_hash", "group_size", "dtype", "device", "cur", "tgt", "replicated", "shape",
+                  "global_len"):
         values = [row[field] for row in rows]
         if any(v != values[0] for v in values):
             if field == "op":

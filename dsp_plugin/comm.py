@@ -220,12 +220,14 @@ def _exchange_device(x: object, group: dist.ProcessGroup) -> torch.device:
 
 
 def _agree(name: str, x: object, *, cur: int, tgt: int, known_len: int | None, group: dist.ProcessGroup,
-           n: int, rank: int, error: Exception | None) -> int:
+           n: int, rank: int, error: Exception | None, replicated: int = -1) -> int:
     """Agree with the group before the collective; return the full length of dim ``cur`` (-1 if none).
 
     ``error`` is this rank's own argument error: it is raised after the
     exchange, on every rank alike, so no peer is left waiting in a collective.
-    Without a check and with the length known, this costs nothing.
+    ``replicated``: tokens the call carries whole on every rank beside the shard
+    (the head switch's joint attention), compared across ranks. Without a check
+    and with the length known, this costs nothing.
     """
     tensor = x if isinstance(x, torch.Tensor) and error is None else None
     shape = [] if tensor is None else list(tensor.shape)
@@ -237,7 +239,7 @@ def _agree(name: str, x: object, *, cur: int, tgt: int, known_len: int | None, g
         op=name, dtype=None if tensor is None else tensor.dtype, shape=tuple(shape), cur=cur, tgt=tgt,
         global_len=-1 if known_len is None else known_len, local_len=local, group_size=n,
         group_hash=checks.group_hash(ranks), device="cpu" if tensor is None else tensor.device.type,
-        error="" if error is None else f"{type(error).__name__}: {error}")
+        error="" if error is None else f"{type(error).__name__}: {error}", replicated=replicated)
     if checks.needs_check(fingerprint) or (cur >= 0 and known_len is None):
         table = _exchange(fingerprint.encode(), _exchange_device(x, group), group, n)
         try:

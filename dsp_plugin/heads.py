@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from dsp_plugin import comm, layout
+from dsp_plugin.head_args import check_qkv, check_replicated
 from dsp_plugin.packing import chunk_sizes, offsets
 
 __all__ = ["from_heads", "head_ranges", "kv_elements_sent", "kv_head_ranges", "to_heads"]
@@ -116,11 +117,15 @@ class _Exchange:
     group: Any
     n: int
     rank: int
+    replicated: tuple[bool, ...] = ()       # per tensor: its tokens are whole on every rank (joint attention)
 
     def shape(self, t: torch.Tensor, tokens: int, heads: int) -> list[int]:
         shape = list(t.shape)
         shape[self.seq_dim], shape[self.head_dim] = tokens, heads
         return shape
+
+    def whole(self, k: int) -> bool:
+        return k < len(self.replicated) and self.replicated[k]
 
 
 def _exchange_blocks(blocks: list[list[torch.Tensor]], recv_shapes: list[list[list[int]]],
@@ -153,11 +158,15 @@ def _seq_to_heads(tensors: tuple[torch.Tensor, ...], ex: _Exchange) -> tuple[tor
       send block j = for each t: t.narrow(head, R_j(t))     [.., c_rank, .., |R_j(t)|, ..]  -> rank j
       recv block i = for each t:                            [.., c_i,    .., |R_rank(t)|, ..] from rank i
       out t        = its recv blocks concatenated along seq in rank order
+    A replicated t (``ex.whole``, R tokens on every rank) receives ``[.., R, .., |R_rank(t)|, ..]`` from
+    each rank and sums them: a reduce-scatter over heads, the adjoint of ``_heads_to_seq``'s all-gather.
     """
     received = _exchange_blocks(
         [[t.narrow(ex.head_dim, *r[j]) for t, r in zip(tensors, ex.ranges)] for j in range(ex.n)],
-        [[ex.shape(t, tokens, r[ex.rank][1]) for t, r in zip(tensors, ex.ranges)] for tokens in ex.seq_sizes], ex)
-    return tuple(torch.cat([row[k] for row in received], dim=ex.seq_dim) for k in range(len(tensors)))
+        [[ex.shape(t, t.shape[ex.seq_dim] if ex.whole(k) else tokens, r[ex.rank][1])
+          for k, (t, r) in enumerate(zip(tensors, ex.ranges))] for tokens in ex.seq_sizes], ex)
+    return tuple(torch.stack([row[k] for row in received]).sum(0) if ex.whole(k) else
+                 torch.cat([row[k] for row in received], dim=ex.seq_dim) for k in range(len(tensors)))
 
 
 def _heads_to_seq(tensors: tuple[torch.Tensor, ...], ex: _Exchange) -> tuple[torch.Tensor, ...]:
@@ -166,11 +175,14 @@ def _heads_to_seq(tensors: tuple[torch.Tensor, ...], ex: _Exchange) -> tuple[tor
       send block i = for each t: t.narrow(seq, c_i)         [.., c_i,    .., |R_rank(t)|, ..] -> rank i
       recv block j = for each t:                            [.., c_rank, .., |R_j(t)|, ..]  from rank j
       out t        = block j in heads R_j(t): concatenated where the ranges tile the heads, else summed
+    A replicated t (``ex.whole``) is sent whole to every rank: an all-gather over heads in the same exchange.
     """
     starts, mine = offsets(ex.seq_sizes), ex.seq_sizes[ex.rank]
     received = _exchange_blocks(
-        [[t.narrow(ex.seq_dim, starts[i], ex.seq_sizes[i]) for t in tensors] for i in range(ex.n)],
-        [[ex.shape(t, mine, r[j][1]) for t, r in zip(tensors, ex.ranges)] for j in range(ex.n)], ex)
+        [[t if ex.whole(k) else t.narrow(ex.seq_dim, starts[i], ex.seq_sizes[i]) for k, t in enumerate(tensors)]
+         for i in range(ex.n)],
+        [[ex.shape(t, t.shape[ex.seq_dim] if ex.whole(k) else mine, r[j][1])
+          for k, (t, r) in enumerate(zip(tensors, ex.ranges))] for j in range(ex.n)], ex)
     outputs = []
     for k, (t, r, total) in enumerate(zip(tensors, ex.ranges, ex.heads)):
         blocks = [row[k] for row in received]
@@ -178,7 +190,7 @@ def _heads_to_seq(tensors: tuple[torch.Tensor, ...], ex: _Exchange) -> tuple[tor
         if [first for first, _ in held] == offsets([count for _, count in held]):  # the ranges tile the heads
             outputs.append(torch.cat(blocks, dim=ex.head_dim))
             continue
-        out = t.new_zeros(ex.shape(t, mine, total))
+        out = t.new_zeros(ex.shape(t, blocks[0].shape[ex.seq_dim], total))
         for (first, count), block in zip(r, blocks):  # a head several ranks held: sum their parts
             out.narrow(ex.head_dim, first, count).add_(block)
         outputs.append(out)
@@ -207,54 +219,38 @@ class _FromHeads(torch.autograd.Function):
         return (None, *_ToHeads.apply(ctx.ex, *grads))
 
 
-def _check_qkv(q: object, k: object, v: object, seq_dim: object, head_dim: object) -> tuple[int, int, int]:
-    """(seq dim, head dim, K/V heads) of a valid call; a TypeError/ValueError naming the value otherwise."""
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"to_heads: {name} must be a torch.Tensor, got {type(t).__name__}")
-    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
-    if not q.dim() == k.dim() == v.dim() or q.dim() < 2:
-        raise ValueError(f"to_heads: q, k, v have {q.dim()}, {k.dim()}, {v.dim()} dims; expected the same "
-                         f"number, at least 2 (a sequence dim and a head dim)")
-    seq = comm._normalize_dim("to_heads", "seq_dim", seq_dim, q.dim())
-    head = comm._normalize_dim("to_heads", "head_dim", head_dim, q.dim())
-    if seq == head:
-        raise ValueError(f"to_heads: seq_dim={seq_dim} and head_dim={head_dim} are both dim {seq}; "
-                         f"expected two different dims")
-    if not q.dtype == k.dtype == v.dtype or not q.device == k.device == v.device:
-        raise ValueError(f"to_heads: q, k, v are {q.dtype}/{q.device}, {k.dtype}/{k.device}, {v.dtype}/{v.device}; "
-                         f"expected one dtype and one device")
-    heads, kv_heads = q.shape[head], k.shape[head]
-    if v.shape[head] != kv_heads or kv_heads < 1 or heads < 1 or heads % kv_heads:
-        raise ValueError(f"to_heads: q, k, v have {heads}, {kv_heads}, {v.shape[head]} heads (dim {head}); "
-                         f"expected k and v alike, with a head count >= 1 that divides q's (MHA: equal; GQA/MQA: "
-                         f"fewer)")
-    for d in range(q.dim()):
-        if d != head and (d != q.dim() - 1 or d == seq) and not q.shape[d] == k.shape[d] == v.shape[d]:
-            raise ValueError(f"to_heads: dim {d} is {q.shape[d]} in q, {k.shape[d]} in k, {v.shape[d]} in v; "
-                             f"expected the same (only the head dim {head} and the head size, the last dim, "
-                             f"may differ)")
-    spec = layout.shard_spec(q)
-    if spec is not None and spec.dim == seq and len(spec.grid) > 1:
-        raise ValueError(f"to_heads: q's dim {seq} folds the sequence axes {spec.grid} ({spec}); expected one "
-                         f"sequence axis: unflatten the dim into its grid first and pass the sharded axis as "
-                         f"seq_dim (the other axes are whole on every rank)")
-    return seq, head, kv_heads
-
-
 def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int, head_dim: int,
-             group: Any = None, global_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             group: Any = None, global_len: int | None = None,
+             replicated: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
     """q, k, v sharded ``S(seq_dim)`` -> the full sequence, sharded ``S(head_dim)``: ONE packed all-to-all.
 
     ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA): each rank gets the
     K/V heads its query heads read (module docstring). ``global_len`` is the
     full sequence length (default: ``q``'s tag, else asked of the group).
+    ``replicated=(q_t, k_t, v_t)``: tokens every rank holds whole (text in joint
+    attention), ``[.., R, .., H, ..]``; they are narrowed to this rank's heads
+    with no communication (backward: the gradient of those heads, zeros elsewhere,
+    the project's partial adjoint), R is compared across ranks in the same check,
+    and they are returned after q, k, v (six tensors).
     Backward: one packed all-to-all back. A size-1 group returns the inputs.
     """
+    return _to_heads(q, k, v, seq_dim=seq_dim, head_dim=head_dim, group=group, global_len=global_len,
+                     replicated=replicated)
+
+
+def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any,
+              global_len: int | None, replicated: tuple[torch.Tensor, ...] | None,
+              error: Exception | None = None) -> tuple[torch.Tensor, ...]:
+    """``to_heads``; ``error``: the caller's own argument error, raised on every rank after the check."""
     group, n, rank = comm._member("to_heads", group)
-    error, seq, head, kv_heads, known = None, -1, -1, 0, None
+    seq, head, kv_heads, known, count = -1, -1, 0, None, -1
     try:
-        seq, head, kv_heads = _check_qkv(q, k, v, seq_dim, head_dim)
+        if error is not None:
+            raise error
+        seq, head, kv_heads = check_qkv(q, k, v, seq_dim, head_dim)
+        if replicated is not None:
+            replicated = check_replicated("to_heads", replicated, (q, k, v), seq, head)
+            count = replicated[0].shape[seq]
         known = comm._check_global_len("to_heads", global_len)
         if known is None:
             known = layout.global_len_of(q, seq)
@@ -263,40 +259,49 @@ def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int,
             raise
         error = exc
     if n == 1:
-        return q, k, v
+        return (q, k, v) if replicated is None else (q, k, v, *replicated)
     # the fingerprint covers k and v too: q's shape followed by (K/V heads, k's and v's head size)
     probe = q if error is not None else torch.empty((), dtype=q.dtype, device=q.device).expand(
         *q.shape, kv_heads, k.shape[-1], v.shape[-1])
     full = comm._agree("to_heads", probe, cur=seq, tgt=head, known_len=known, group=group, n=n, rank=rank,
-                       error=error)
+                       error=error, replicated=count)
     heads = q.shape[head]
     q_ranges, kv_ranges = tuple(head_ranges(heads, n)), tuple(kv_head_ranges(heads, kv_heads, n))
     ex = _Exchange(seq, head, tuple(chunk_sizes(full, n)), (q_ranges, kv_ranges, kv_ranges),
                    (heads, kv_heads, kv_heads), group, n, rank)
-    q_out, k_out, v_out = _ToHeads.apply(ex, q, k, v)
+    outputs = list(_ToHeads.apply(ex, q, k, v))
+    if replicated is not None:  # this rank's heads of the tokens it holds whole: no communication
+        outputs += [t.narrow(head, *r[rank]) for t, r in zip(replicated, ex.ranges)]
     index = _local_kv_index(heads, kv_heads, n, rank)
     if index is not None:  # this rank's query heads straddle K/V groups: one K/V head per query head
-        positions = torch.tensor(index, device=k_out.device)
-        k_out, v_out = k_out.index_select(head, positions), v_out.index_select(head, positions)
-    layout.attach(q_out, head, heads)
+        positions = torch.tensor(index, device=q.device)
+        for i in (1, 2) if replicated is None else (1, 2, 4, 5):  # the K and V among the outputs
+            outputs[i] = outputs[i].index_select(head, positions)
+    layout.attach(outputs[0], head, heads)
     if kv_heads == heads:
-        layout.attach(k_out, head, heads)
-        layout.attach(v_out, head, heads)
-    return q_out, k_out, v_out
+        layout.attach(outputs[1], head, heads)
+        layout.attach(outputs[2], head, heads)
+    return tuple(outputs)
 
 
 def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = None,
-               global_len: int | None = None, heads: int | None = None) -> torch.Tensor:
+               global_len: int | None = None, heads: int | None = None,
+               replicated: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention output ``S(head_dim)`` with the full sequence -> ``S(seq_dim)`` with every head: one all-to-all.
 
     ``heads`` is the full head count (default: asked of the group, one tiny
     all-gather and a host sync; not read from a tag, because a rank holding no
     head has an empty tensor, whose tag does not survive ``detach``, and every
     rank must decide alike whether to ask). ``global_len``, if given, must be the sequence
-    length ``out`` holds. Backward: the switch to heads. A size-1 group returns ``out``.
+    length ``out`` holds. ``replicated``: the output of the tokens every rank holds
+    whole, ``[.., R, .., h_rank, ..]``; it travels in the same all-to-all (each rank
+    sends its heads of it to every rank: an all-gather over heads, whose backward
+    sums the ranks' gradients, a reduce-scatter) and ``(out, replicated)`` come back,
+    the second with every head, the same on every rank.
+    Backward: the switch to heads. A size-1 group returns its inputs.
     """
     group, n, rank = comm._member("from_heads", group)
-    error, seq, head, known = None, -1, -1, None
+    error, seq, head, known, count = None, -1, -1, None, -1
     try:
         out = comm._check_tensor("from_heads", out)
         seq = comm._normalize_dim("from_heads", "seq_dim", seq_dim, out.dim())
@@ -312,15 +317,23 @@ def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = N
             known = comm._as_int("from_heads", "heads", heads)
             if known < 1:
                 raise ValueError(f"from_heads: heads={heads!r}; expected the full head count, >= 1")
+        if replicated is not None:
+            (replicated,) = check_replicated("from_heads", (replicated,), (out,), seq, head)
+            count = replicated.shape[seq]
     except (TypeError, ValueError) as exc:
         if n == 1:
             raise
         error = exc
     if n == 1:
-        return out
+        return out if replicated is None else (out, replicated)
     total = comm._agree("from_heads", out, cur=head, tgt=seq, known_len=known, group=group, n=n, rank=rank,
-                        error=error)
-    ex = _Exchange(seq, head, tuple(chunk_sizes(out.shape[seq], n)), (tuple(head_ranges(total, n)),),
-                   (total,), group, n, rank)
-    (result,) = _FromHeads.apply(ex, out)
-    return layout.attach(result, seq, out.shape[seq])
+                        error=error, replicated=count)
+    ranges = tuple(head_ranges(total, n))
+    if replicated is None:
+        ex = _Exchange(seq, head, tuple(chunk_sizes(out.shape[seq], n)), (ranges,), (total,), group, n, rank)
+        (result,) = _FromHeads.apply(ex, out)
+        return layout.attach(result, seq, out.shape[seq])
+    ex = _Exchange(seq, head, tuple(chunk_sizes(out.shape[seq], n)), (ranges, ranges), (total, total), group, n,
+                   rank, (False, True))
+    result, whole = _FromHeads.apply(ex, out, replicated)
+    return layout.attach(result, seq, out.shape[seq]), whole

@@ -10,7 +10,7 @@ from typing import Any
 
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["LATTE_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan"]
+__all__ = ["COGVIDEOX_PLAN", "LATTE_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan"]
 
 # diffusers' LatteTransformer3DModel: spatial blocks on [B*T, S, D], temporal blocks on [B*S, T, D], the model
 # reshaping between them inline with its own B. Shard the folded rows: the frames (T) for spatial blocks, the
@@ -38,6 +38,18 @@ WAN_PLAN: dict[str, Any] = {
     "proj_out": Gather("out", "B (F HW) D"),
 }
 
+# diffusers' CogVideoXTransformer3DModel: joint full attention over [text, video] (the processor concatenates the
+# text first). Split the flat video tokens at the first block (a flat split also fits CogVideoX 1.5's frames folded
+# by patch_size_t); the text stream stays whole on every rank (Heads(joint="first")); the 3D RoPE tables, a
+# (cos, sin) pair for the global video tokens passed in by the pipeline, split the same way (absent: left out);
+# gather before the final norm, after which the model unpatchifies with its global frame count.
+COGVIDEOX_PLAN: dict[str, Any] = {
+    "": Split("image_rotary_emb", "L K", shard="L"),
+    "transformer_blocks.0": Split("hidden_states", "B L D", shard="L"),
+    "transformer_blocks.*": Block("B L D", arg="hidden_states"),
+    "transformer_blocks.*.attn1": Heads(joint="first"),
+    "norm_final": Gather(0, "B L D"),
+}
 
 
 def stdit_plan(model: Any) -> dict[str, Any]:
@@ -56,7 +68,8 @@ def stdit_plan(model: Any) -> dict[str, Any]:
     return plan
 
 
-_BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "WanTransformer3DModel": WAN_PLAN, "STDiT": stdit_plan}
+_BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "WanTransformer3DModel": WAN_PLAN, "STDiT": stdit_plan,
+             "CogVideoXTransformer3DModel": COGVIDEOX_PLAN}
 
 
 def builtin_plan(model: Any) -> Any:

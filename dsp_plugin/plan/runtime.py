@@ -181,13 +181,17 @@ class _Runtime:
             a = _Args(module, args, kwargs)
             for spec in specs:
                 if isinstance(spec, Split) and spec.arg != "out":
-                    a.set(spec.arg, self.split(f"{path}: Split({spec.arg!r})", a.get(spec.arg), spec))
+                    value, where = a.get(spec.arg), f"{path}: Split({spec.arg!r})"
+                    if isinstance(value, tuple):  # a pair of tables (RoPE's cos, sin): each split alike
+                        a.set(spec.arg, tuple(self.split(where, t, spec) for t in value))
+                    elif value is not None:  # an optional input the caller left out stays out
+                        a.set(spec.arg, self.split(where, value, spec))
                 elif isinstance(spec, Block):
                     self.block_pre(path, a, spec)
                 elif isinstance(spec, Heads):
                     from dsp_plugin.plan.heads import enter_heads
 
-                    enter_heads(path, self.group)
+                    enter_heads(path, self.group, spec.joint)
                 elif isinstance(spec, Gather) and spec.arg != "out":
                     a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
                 elif isinstance(spec, Positions):

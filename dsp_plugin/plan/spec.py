@@ -151,7 +151,23 @@ class Heads:
     q, k, v ``[B, H, L_local, Dh]`` switch to ``[B, H_local, L, Dh]`` (one packed
     all-to-all), attend locally, and the output switches back (one more). The
     global ``L`` is that of the enclosing ``Block``'s activation.
+
+    ``joint="first"`` / ``"last"``: joint attention, where the module concatenates
+    tokens that belong to no position of the sharded sequence and are the same on
+    every rank (text in CogVideoX: first; in SD3 / HunyuanVideo: last) with this
+    rank's tokens: the attention call holds ``R + L_local`` tokens, and the ``R``
+    beyond the local length, at the front or at the back, are the replicated ones.
+    They are narrowed to this rank's heads (no communication), attend with the full
+    sequence, and their output leaves replicated over heads inside the same
+    all-to-all that returns the sharded tokens.
     """
+
+    joint: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.joint not in (None, "first", "last"):
+            raise ValueError(f"Heads(joint={self.joint!r}); expected None, 'first' or 'last' (where the "
+                             f"replicated tokens sit in the attention's sequence)")
 
 
 @dataclass(frozen=True)
