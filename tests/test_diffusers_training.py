@@ -42,6 +42,7 @@ WORLD = 4
 
 Job = tuple[str, int]     # ("zero2" | "zero3" | "ddp", DSP size); DP = WORLD // DSP
 Params = dict[str, np.ndarray]
+Run = dict[str, Any]        # one job on one rank: kind, dsp, losses, params, seconds
 
 
 def _tiny_wan() -> torch.nn.Module:
@@ -171,26 +172,41 @@ def _train_deepspeed(case: Case, stage: int, dsp: int) -> tuple[Params, list[flo
     return {k.removeprefix("model."): v for k, v in full_params(engine).items()}, losses
 
 
-def _worker(rank: int, world: int, name: str) -> list[dict[str, Any]]:
+def _worker(rank: int, world: int, names: list[str]) -> dict[str, list[Run]]:
     from tests.deepspeed_harness import setup_worker
 
     setup_worker(rank, world)
-    case = CASES[name]
-    out = []
-    for kind, dsp in case.jobs:
-        start = time.perf_counter()
-        if kind == "ddp":
-            params, losses = _train_ddp(case, dsp)
-        else:
-            params, losses = _train_deepspeed(case, int(kind.removeprefix("zero")), dsp)
-        out.append({"kind": kind, "dsp": dsp, "losses": losses, "params": params,
-                    "seconds": time.perf_counter() - start})
+    out: dict[str, list[Run]] = {}
+    for name in names:
+        case = CASES[name]
+        out[name] = []
+        for kind, dsp in case.jobs:
+            start = time.perf_counter()
+            if kind == "ddp":
+                params, losses = _train_ddp(case, dsp)
+            else:
+                params, losses = _train_deepspeed(case, int(kind.removeprefix("zero")), dsp)
+            out[name].append({"kind": kind, "dsp": dsp, "losses": losses, "params": params,
+                              "seconds": time.perf_counter() - start})
     return out
+
+
+@pytest.fixture(scope="module")
+def distributed_runs(request: pytest.FixtureRequest) -> dict[str, list[list[Run]]]:
+    """The runs of every selected model, by model then rank, from ONE set of 4 processes.
+
+    One spawn for all models: each process pays diffusers' import (~10 s of the
+    first job on 2 cores) and DeepSpeed's start once, not once per model.
+    """
+    names = sorted({item.callspec.params["name"] for item in request.session.items
+                    if getattr(item, "function", None) is test_training_matches_single_process})
+    results = run_distributed(_worker, WORLD, names, timeout=600)
+    return {name: [by_name[name] for by_name in results] for name in names}
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_training_matches_single_process(name: str) -> None:
+def test_training_matches_single_process(name: str, distributed_runs: dict[str, list[list[Run]]]) -> None:
     case = CASES[name]
     expected_params, expected_losses = reference(case)
     initial = _params(case.build())
@@ -200,8 +216,7 @@ def test_training_matches_single_process(name: str) -> None:
     if name == "wan":
         heads = case.build().config.num_attention_heads
         assert heads < WORLD, f"wan: {heads} heads; DSP={WORLD} must leave a rank without a head"
-    results = run_distributed(_worker, WORLD, name, timeout=600)
-    for rank, runs in enumerate(results):
+    for rank, runs in enumerate(distributed_runs[name]):
         assert [(run["kind"], run["dsp"]) for run in runs] == list(case.jobs), f"{name} rank {rank}"
         for run in runs:
             what = f"{name} rank {rank} {run['kind']} dsp={run['dsp']} dp={WORLD // run['dsp']}"
