@@ -91,6 +91,7 @@ class Case:
     target: tuple[int, ...]       # the output's shape
 
 
+# Wan is called positionally (the plan's wrapper must pass positional inputs through), Latte by keyword.
 CASES = {
     "wan": Case(_tiny_wan, _parallelize, _call_positional, (4, 5, 6, 6), (7, 16), (4, 5, 6, 6)),
     "latte": Case(_tiny_latte, _latte_dsp, _call_keywords, (4, 7, 8, 8), (5, 16), (8, 7, 8, 8)),
