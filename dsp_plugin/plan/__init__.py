@@ -14,10 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from dsp_plugin.plan.runtime import sharded_io
+from dsp_plugin.plan.frames import OnShard, sharded_io
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Layout, Positions, Split
 
-__all__ = ["Block", "Gather", "Grid", "Heads", "Layout", "Positions", "Split", "parallelize", "sharded_io"]
+__all__ = ["Block", "Gather", "Grid", "Heads", "Layout", "OnShard", "Positions", "Split", "parallelize", "sharded_io"]
 
 
 def parallelize(model: nn.Module, plan: Any = None, group: Any = None) -> nn.Module:

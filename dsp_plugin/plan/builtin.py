@@ -8,9 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsp_plugin.plan.frames import OnShard
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
 __all__ = ["LATTE_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan"]
+
+
+
+def _latte_temporal_positions(model: Any, x: Any, grid: dict[str, int], local: dict[str, int]) -> Any:
+    """Latte adds ``temp_pos_embed`` before its first temporal block only ``if num_frame > 1``, with
+    ``num_frame`` read from its input: fed one frame of a longer video, a rank skips it. Add it there."""
+    return x + model.temp_pos_embed.to(x.dtype) if local["T"] == 1 < grid["T"] else x
+
 
 # diffusers' LatteTransformer3DModel: spatial blocks on [B*T, S, D], temporal blocks on [B*S, T, D], the model
 # reshaping between them inline with its own B. Shard the folded rows: the frames (T) for spatial blocks, the
@@ -22,6 +31,7 @@ LATTE_PLAN: dict[str, Any] = {
                                   follow={"encoder_hidden_states": "(B T)", "timestep": "(B T)"}),
     "temporal_transformer_blocks.*": Block("(B S) T D", attends="T", then="S", out_shard="T",
                                            follow={"timestep": "(B S)"}),
+    "temporal_transformer_blocks.0": OnShard(0, _latte_temporal_positions),
     "norm_out": Gather(0, "(B T) S D"),
 }
 
