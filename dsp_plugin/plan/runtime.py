@@ -152,7 +152,8 @@ class _Runtime:
         if placed is None and (frame is None or frame.shard is None):
             raise ValueError(f"{where}: the input carries no shard tag and no forward of this model is in "
                              f"progress; expected a sharded activation")
-        grid, shard = placed if placed is not None else (frame.grid, frame.shard)
+        grid, shard = _complete(where, x, spec.layout, placed, frame) if placed is not None \
+            else (frame.grid, frame.shard)
         if frame is not None and frame.sharded_io:  # the caller wants the shard back, on the axis it gave
             if frame.io_shard is not None and frame.io_shard != shard and frame.io_shard in spec.layout.axes:
                 x = ops.plan_switch(where, x, spec.layout, grid, shard, frame.io_shard, self.group)
@@ -175,7 +176,7 @@ class _Runtime:
                                  f"is in progress; expected a Split before this block")
             placed = (frame.grid, frame.shard)
             x = ops.tag(x, spec.layout, *placed)  # so a recompute finds the placement on its input
-        grid, shard = placed
+        grid, shard = _complete(path, x, spec.layout, placed, frame)
         if spec.attends is not None and spec.attends == shard:
             if spec.then is None:
                 raise ValueError(f"{path}: the block attends {shard!r}, the sharded axis; set Block.then to "
@@ -227,6 +228,26 @@ class _Runtime:
         if frame is not None:
             frame.grid, frame.shard = grid, shard
         return (first, *output[1:]) if isinstance(output, tuple) else first
+
+
+def _complete(where: str, x: torch.Tensor, lay: Any, placed: tuple[dict[str, int], str],
+              frame: Frame | None) -> tuple[dict[str, int], str]:
+    """A tag's placement with the global lengths of every axis of ``lay``.
+
+    The tag holds the sharded dim's axes only; a dim folding other axes (``(B T)`` while sharded on S)
+    takes them from the forward's frame, or in a recompute from the input itself.
+    """
+    grid, shard = placed
+    if all(ax in grid for ax in lay.axes):
+        return grid, shard
+    known = {**(frame.grid if frame is not None else {}), **getattr(x, _GRID_ATTR, {})}
+    grid = {**{ax: known[ax] for ax in lay.axes if ax in known}, **grid}
+    missing = [ax for ax in lay.axes if ax not in grid]
+    if missing:
+        raise ValueError(f"{where}: the global lengths of {missing} (layout '{lay}') are not on the "
+                         f"activation's tag and no forward of this model is in progress")
+    setattr(x, _GRID_ATTR, grid)  # a recompute (no frame) finds them on its input
+    return grid, shard
 
 
 def _is_full(x: torch.Tensor, spec: Split, grid: dict[str, int]) -> bool:
