@@ -29,8 +29,8 @@ def expand(model: nn.Module, plan: dict[str, Any]) -> list[tuple[str, nn.Module,
             if isinstance(spec, Grid) and pattern != "":
                 raise ValueError(f"plan: Grid belongs to the model itself (path ''), not {pattern!r}")
             if not isinstance(spec, (Block, Gather, Grid, Heads, OnShard, Positions, Split)):
-                raise TypeError(f"plan: {pattern!r} has {spec!r}; expected Split, Block, Heads, Gather, "
-                                f"Positions, OnShard or Grid")
+                raise TypeError(f"plan: {pattern!r} has {spec!r}; expected Split, Block, Heads, Gather or Grid "
+                                f"(or Positions, OnShard)")
         for n in hits:
             found.setdefault(n, []).extend(specs)
     return [(n, names[n], found[n]) for n in names if n in found]
