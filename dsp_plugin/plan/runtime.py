@@ -19,12 +19,12 @@ One forward of a parallelized model:
 The schedule is static: where each switch goes is fixed by the plan, and which
 placement a block sees is the same on every rank and in every forward. Under
 activation checkpointing a recomputed block finds its placement on its input's
-tag, so no frame is needed in backward.
+tag (the lengths of the axes folded with the sharded one, and an ``OnShard``'s
+decision, are kept on the same input object), so no frame is needed in backward.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -34,12 +34,13 @@ from dsp_plugin.comm import chunk_sizes, group_rank, group_size
 from dsp_plugin.plan import ops
 from dsp_plugin.plan.args import Args as _Args
 from dsp_plugin.plan.args import expand, map_tensors as _map_tensors
+from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
+from dsp_plugin.plan.placement import complete as _complete, is_full as _is_full, split_rows as _split_rows
 from dsp_plugin.plan.frames import Frame, OnShard, current_block, current_io, frames, sharded_io
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
 __all__ = ["apply_plan", "current_block", "expand", "remove_plan", "sharded_io"]
 
-_GRID_ATTR = "_dsp_plan_grid"
 _ONSHARD_ATTR = "_dsp_plan_on_shard"
 
 
@@ -228,58 +229,6 @@ class _Runtime:
         if frame is not None:
             frame.grid, frame.shard = grid, shard
         return (first, *output[1:]) if isinstance(output, tuple) else first
-
-
-def _complete(where: str, x: torch.Tensor, lay: Any, placed: tuple[dict[str, int], str],
-              frame: Frame | None) -> tuple[dict[str, int], str]:
-    """A tag's placement with the global lengths of every axis of ``lay``.
-
-    The tag holds the sharded dim's axes only; a dim folding other axes (``(B T)`` while sharded on S)
-    takes them from the forward's frame, or in a recompute from the input itself.
-    """
-    grid, shard = placed
-    if all(ax in grid for ax in lay.axes):
-        return grid, shard
-    known = {**(frame.grid if frame is not None else {}), **getattr(x, _GRID_ATTR, {})}
-    grid = {**{ax: known[ax] for ax in lay.axes if ax in known}, **grid}
-    missing = [ax for ax in lay.axes if ax not in grid]
-    if missing:
-        raise ValueError(f"{where}: the global lengths of {missing} (layout '{lay}') are not on the "
-                         f"activation's tag and no forward of this model is in progress")
-    setattr(x, _GRID_ATTR, grid)  # a recompute (no frame) finds them on its input
-    return grid, shard
-
-
-def _is_full(x: torch.Tensor, spec: Split, grid: dict[str, int]) -> bool:
-    """Under ``sharded_io``: is ``x`` the full tensor (a positional table built for the global grid)?"""
-    dim = spec.layout.dim_of(spec.shard)
-    names = spec.layout.dims[dim]
-    if any(a not in grid for a in names):
-        return False
-    full = 1
-    for a in names:
-        full *= grid[a]
-    return x.dim() > dim and x.shape[dim] == full
-
-
-def _split_rows(where: str, c: torch.Tensor, rows: Any, grid: dict[str, int], shard: str, group: Any) -> Any:
-    """Per-row conditioning for the global rows -> this rank's rows; rows already local are kept.
-
-    A model fed shards (``sharded_io``) repeats its conditioning by its *local* length (Latte's
-    ``timestep.repeat_interleave(num_frame)``): those rows are this rank's already.
-    """
-    names = rows.dims[0]
-    n, rank = group_size(group), group_rank(group)
-    lengths = [grid[a] for a in names]
-    local = [chunk_sizes(grid[a], n)[rank] if a == shard else grid[a] for a in names]
-    if n > 1 and c.shape[0] == math.prod(local):
-        return c
-    if c.shape[0] != math.prod(lengths):
-        raise ValueError(f"{where}: {c.shape[0]} rows, expected {' * '.join(names)} = {lengths} (the global "
-                         f"rows) or {local} (this rank's, sharded on {shard!r})")
-    u = c.reshape(*lengths, *c.shape[1:])
-    local = ops.partial_split(where, u, names.index(shard), group)
-    return local.reshape(-1, *c.shape[1:])
 
 
 def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None) -> nn.Module:
