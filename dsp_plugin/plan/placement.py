@@ -31,11 +31,12 @@ def complete(where: str, x: torch.Tensor, lay: Any, placed: tuple[dict[str, int]
     takes them from the forward's frame, or in a recompute from the input itself.
     """
     grid, shard = placed
-    if all(ax in grid for ax in lay.axes):
+    needed = [ax for names in lay.dims if len(names) > 1 for ax in names] + [shard]  # a whole dim: its shape
+    if all(ax in grid for ax in needed):
         return grid, shard
     known = {**(frame.grid if frame is not None else {}), **getattr(x, GRID_ATTR, {})}
     grid = {**{ax: known[ax] for ax in lay.axes if ax in known}, **grid}
-    missing = [ax for ax in lay.axes if ax not in grid]
+    missing = [ax for ax in needed if ax not in grid]
     if missing:
         raise ValueError(f"{where}: the global lengths of {missing} (layout '{lay}') are not on the "
                          f"activation's tag and no forward of this model is in progress")
