@@ -10,6 +10,7 @@ built-in plan (hooks); ``SpatioTemporalDSP`` wraps it.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -92,10 +93,16 @@ def _through_parallelize(rank: int, n: int) -> dict[str, float]:
 
     reference = tiny_spatiotemporal(layers=LAYERS)
     model = copy.deepcopy(reference)
+    # the spatial blocks recomputed in backward, as the enclosing UNet's enable_gradient_checkpointing() sets it
+    model.gradient_checkpointing = True
+    model._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     assert dsp_plugin.parallelize(model) is model        # the built-in plan, hooks in place
     return _compare(model, _run(reference))
 
 
 def test_parallelize_finds_the_builtin_plan() -> None:
+    """``dsp_plugin.parallelize`` on the model, under its own gradient checkpointing, 2 ranks."""
     for rank, d in enumerate(run_distributed(_through_parallelize, 2)):
+        print(f"ckpt rank {rank}: {d}")
         assert max(d["out"], d["dx"], d["grads"]) < 1e-5, (rank, d)
+        assert d["all_to_all"] == 2 * LAYERS - 1, d

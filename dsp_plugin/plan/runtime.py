@@ -176,7 +176,8 @@ class _Runtime:
                 raise ValueError(f"{path}: the activation carries no shard tag and no forward of this model "
                                  f"is in progress; expected a Split before this block")
             placed = (frame.grid, frame.shard)
-            x = ops.tag(x, spec.layout, *placed)  # so a recompute finds the placement on its input
+            x = ops.tag(x, spec.layout, *placed)  # so a recompute finds the placement on its input,
+            setattr(x, _GRID_ATTR, dict(frame.grid))  # and the lengths of the axes the tag does not hold
         grid, shard = _complete(path, x, spec.layout, placed, frame)
         if spec.attends is not None and spec.attends == shard:
             if spec.then is None:
