@@ -127,3 +127,59 @@ def test_parallel_equals_unmodified_model_uneven_frames(n: int) -> None:
 def test_rejects_other_models() -> None:
     with pytest.raises(TypeError, match="expected a diffusers LatteTransformer3DModel, got Linear"):
         LatteDSP(torch.nn.Linear(2, 2))
+
+
+def _shard_frames(rank: int, n: int) -> dict[str, object]:
+    """fp64, 5 frames on 4 ranks (split [2, 1, 1, 1]): three ranks are fed ONE frame of a 5-frame video."""
+    import torch.distributed as dist
+
+    import dsp_plugin
+    from dsp_plugin.plan.builtin import LATTE_PLAN
+    from dsp_plugin.plan.runtime import apply_plan
+
+    reference = tiny_latte(frames=5, layers=LAYERS, heads=3, head_dim=4, sample_size=6).double()
+    g = torch.Generator().manual_seed(6)
+    latents = torch.randn(2, 4, 5, 6, 6, generator=g, dtype=torch.float64)
+    timestep, text = torch.tensor([3, 700]), torch.randn(2, 7, 16, generator=g, dtype=torch.float64)
+    frames = torch.arange(5).tensor_split(n)[rank]
+    local = latents[:, :, frames]
+    result: dict[str, object] = {"local_frames": len(frames)}
+    with torch.no_grad():
+        expected = reference(latents, timestep, text, return_dict=False)[0][:, :, frames]
+        model = dsp_plugin.parallelize(copy.deepcopy(reference))     # the model's own parallelize first
+        hooks = len(model._dsp_plan_runtime.handles)
+        adapter = LatteDSP(model)                                    # reuses it: not applied twice
+        result["hooks_reused"] = len(model._dsp_plan_runtime.handles) == hooks and adapter.model is model
+        for temporal in (True, False):
+            out = adapter.forward_shard(local, num_frames=5, timestep=timestep, encoder_hidden_states=text,
+                                        enable_temporal_attentions=temporal)
+            want = expected if temporal else reference(latents, timestep, text, enable_temporal_attentions=False,
+                                                       return_dict=False)[0][:, :, frames]
+            result[f"temporal{int(temporal)}"] = (out - want).abs().max().item()
+        # without OnShard the ranks fed one frame skip Latte's temporal positions: the correction is needed
+        bare = apply_plan(copy.deepcopy(reference), {k: v for k, v in LATTE_PLAN.items()
+                                                     if k != "temporal_transformer_blocks.0"})
+        with dsp_plugin.plan.sharded_io(T=5):
+            out = bare(local, timestep, text, return_dict=False)[0]
+        result["without_onshard"] = (out - expected).abs().max().item()
+        # a later adapter over another group takes the hooks; the earlier one refuses to run
+        LatteDSP(model, group=dist.new_group(list(range(n))))
+        try:
+            adapter.forward_shard(local, num_frames=5, timestep=timestep, encoder_hidden_states=text)
+        except RuntimeError as exc:
+            result["stale"] = str(exc)
+    return result
+
+
+def test_forward_shard_ranks_fed_one_frame() -> None:
+    """5 frames on 4 ranks in fp64: ``forward_shard`` equals the unmodified model's frames of each rank within
+    1e-9, with temporal attention on and off; Latte's ``if num_frame > 1`` (local on a shard) is corrected by the
+    plan's OnShard (without it the one-frame ranks differ); LatteDSP reuses the model's own parallelize."""
+    for rank, d in enumerate(run_distributed(_shard_frames, 4)):
+        print(f"rank {rank}: {d}")
+        assert d["local_frames"] == [2, 1, 1, 1][rank]
+        assert d["temporal1"] < 1e-9 and d["temporal0"] < 1e-9, (rank, d)
+        assert d["hooks_reused"], d
+        if d["local_frames"] == 1:
+            assert d["without_onshard"] > 1e-3, (rank, d)
+        assert "parallelized again" in d.get("stale", ""), d

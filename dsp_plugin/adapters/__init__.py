@@ -1,9 +1,12 @@
 """Adapters: DSP for models this project did not write (diffusers' Latte, SVD's spatio-temporal transformer).
 
-An adapter re-expresses a model's forward around the model's own blocks with a
-``Sharded`` activation (split at entry, a switch before each block that needs
-one, fold/unfold with local lengths between blocks, gather at exit). The model
-file is not edited and its parameters stay the model's. See docs/models.md.
+``LatteDSP`` and ``SpatioTemporalDSP`` wrap the models' built-in plans
+(``dsp_plugin.plan.builtin``, hooks); ``LatteDSP.forward_shard`` and the Latte
+pipeline keep latents sharded across a sampling loop. ``Sharded`` is for a
+forward written by hand where hooks cannot reach a model: a view in the plan
+vocabulary (split at entry, a switch before each block that needs one,
+fold/unfold with local lengths between blocks, gather at exit). The model file
+is not edited and its parameters stay the model's. See docs/models.md.
 
 Importing this package needs torch only; each adapter imports diffusers when built.
 """

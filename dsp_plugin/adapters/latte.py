@@ -1,21 +1,19 @@
-"""DSP for diffusers' ``LatteTransformer3DModel``, without editing diffusers.
+"""DSP for diffusers' ``LatteTransformer3DModel``: the built-in plan, with a frame-sharded entry for sampling.
 
-Latte's own forward reshapes between ``[B*T, S, D]`` (spatial blocks) and
-``[B*S, T, D]`` (temporal blocks) with the global frame count, so hooks cannot
-shard it. ``LatteDSP`` re-expresses that forward around the model's own
-modules (``pos_embed``, ``adaln_single``, ``caption_projection``, the two block
-lists, ``norm_out``/``proj_out``), in the order and with the arithmetic of
-diffusers 0.42, keeping the tokens as a ``Sharded`` ``[B, T, S, D]``:
+``LatteDSP(model, group=g)`` parallelizes the model with ``LATTE_PLAN``
+(``dsp_plugin.plan.builtin``; hooks, the model's own forward, in place) and adds
+what a sampler needs:
 
-    latents [B, C, T, H, W]  --split T-->  [B, C, T/N, H, W]   (frames are patch-embedded independently)
-    spatial block i   on fold(S): [B*T/N, S, D]                 local, no communication
-    temporal block i  switch T->S, fold(T): [B*S/N, T, D]       one all-to-all
-    next spatial      switch S->T                               one all-to-all
-    output stage      per frame on S(T), unpatchify local frames
-    exit              gather T (``forward``) or keep the shard (``forward_shard``, for sampling)
+    forward(x)              split frames -> the model on its shard -> gather frames  (replicated in and out)
+    forward_shard(x_local)  the model on this rank's frames, output frames kept sharded (no gather)
 
-Two all-to-alls per layer, none inside a block, no gather between diffusion
-steps. The wrapped model is ``.model``; its parameters are the adapter's, so
+Both run the model under ``dsp_plugin.plan.sharded_io``: the tokens are split on
+frames, a spatial block runs on its local frames, a switch after it moves the
+shard to patches for the temporal block, and one more brings it back (two
+all-to-alls per layer, none inside a block); the output stage runs on the local
+frames. ``forward``'s input gradient is the full one on every rank (``comm.split``'s
+backward gathers it), the parameters' gradients are partial (sum them over the
+group: ``reduce_gradients``). The model's parameters are the adapter's, so
 optimizers, DDP, ZeRO and ``save_pretrained`` see the unmodified model.
 """
 
@@ -27,31 +25,39 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dsp_plugin.adapters.sharded import Sharded, check_divisible_lengths
+from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import gather, group_size, split
 
 __all__ = ["LatteDSP"]
 
-T_DIM, S_DIM = 1, 2  # sequence dims of the token layout [B, T, S, D]
-
 
 class LatteDSP(nn.Module):
-    """A ``LatteTransformer3DModel`` whose forward shards frames and patches over ``group``.
+    """A ``LatteTransformer3DModel`` parallelized over ``group`` with its built-in plan.
 
-    ``forward`` takes and returns full tensors (same signature and output type as
-    the model: a drop-in for training). ``forward_shard`` takes and returns this
-    rank's frame shard of ``[B, C, T, H, W]`` (for samplers that keep the latents
-    sharded across the whole denoising loop).
+    On a model already parallelized with that plan the hooks are reused (over
+    another group they are moved to this adapter's group; an adapter built
+    before then refuses to run).
     """
 
     def __init__(self, model: nn.Module, *, group: dist.ProcessGroup | None = None) -> None:
         super().__init__()
         from diffusers import LatteTransformer3DModel
 
+        from dsp_plugin.plan.builtin import LATTE_PLAN
+        from dsp_plugin.plan.runtime import apply_plan, remove_plan
+
         if not isinstance(model, LatteTransformer3DModel):
             raise TypeError(f"LatteDSP: expected a diffusers LatteTransformer3DModel, got {type(model).__name__}")
-        self.model = model
+        runtime = getattr(model, "_dsp_plan_runtime", None)
+        if runtime is not None and runtime.plan is not LATTE_PLAN:
+            raise ValueError("LatteDSP: the model is already parallelized with another plan than LATTE_PLAN; "
+                             "expected an unparallelized model or one from dsp_plugin.parallelize(model)")
+        if runtime is not None and runtime.group is not group:
+            remove_plan(model)
+            runtime = None
+        self.model = apply_plan(model, LATTE_PLAN, group) if runtime is None else model
         self.group = group
+        self._runtime = model._dsp_plan_runtime
 
     @property
     def config(self) -> Any:
@@ -68,11 +74,11 @@ class LatteDSP(nn.Module):
         """Same contract as ``LatteTransformer3DModel.forward``; replicated in, replicated out."""
         from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
-        self._check_input("LatteDSP.forward", hidden_states, hidden_states.shape[2])
-        frames = hidden_states.shape[2]
+        frames = hidden_states.shape[2] if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() else 0
+        self._check_input("LatteDSP.forward", hidden_states, frames)
         local = split(hidden_states, 2, group=self.group)               # [B, C, T/N, H, W]
-        out = self._sharded_forward(local, frames, timestep, encoder_hidden_states, encoder_attention_mask,
-                                    enable_temporal_attentions)
+        out = self._on_shard(local, frames, timestep, encoder_hidden_states, encoder_attention_mask,
+                             enable_temporal_attentions)
         output = gather(out, 2, group=self.group, global_len=frames)    # [B, C_out, T, H, W]
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
@@ -82,10 +88,19 @@ class LatteDSP(nn.Module):
                       enable_temporal_attentions: bool = True) -> torch.Tensor:
         """This rank's frames ``[B, C, T_local, H, W]`` of a ``num_frames`` video -> its output frames."""
         self._check_input("LatteDSP.forward_shard", hidden_states, num_frames)
-        return self._sharded_forward(hidden_states, num_frames, timestep, encoder_hidden_states,
-                                     encoder_attention_mask, enable_temporal_attentions)
+        return self._on_shard(hidden_states, num_frames, timestep, encoder_hidden_states, encoder_attention_mask,
+                              enable_temporal_attentions)
 
     # ------------------------------------------------------------------------
+    def _on_shard(self, latents: torch.Tensor, frames: int, *args: Any) -> torch.Tensor:
+        from dsp_plugin.plan.frames import sharded_io
+
+        if getattr(self.model, "_dsp_plan_runtime", None) is not self._runtime:
+            raise RuntimeError("LatteDSP: the model has since been parallelized again (by another LatteDSP or "
+                               "parallelize over another group); expected this adapter's hooks: wrap it again")
+        with sharded_io(T=frames):
+            return self.model(latents, *args, return_dict=False)[0]
+
     def _check_input(self, name: str, x: torch.Tensor, frames: int) -> None:
         if not isinstance(x, torch.Tensor) or x.dim() != 5:
             shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
@@ -101,54 +116,3 @@ class LatteDSP(nn.Module):
         if frames > 1 and frames != video_length:
             raise ValueError(f"{name}: {frames} frames, but the model's temporal position embedding has "
                              f"video_length={video_length} (Latte adds it to all frames; expected equal)")
-
-    def _run(self, block: nn.Module, *args: Any) -> torch.Tensor:
-        """A block call, under the model's own gradient checkpointing when it is enabled."""
-        if torch.is_grad_enabled() and self.model.gradient_checkpointing:
-            return self.model._gradient_checkpointing_func(block, *args)
-        return block(*args)
-
-    def _sharded_forward(self, latents: torch.Tensor, frames: int, timestep: torch.Tensor | None,
-                         encoder_hidden_states: torch.Tensor | None,
-                         encoder_attention_mask: torch.Tensor | None,
-                         enable_temporal_attentions: bool) -> torch.Tensor:
-        m = self.model
-        p = m.config.patch_size
-        batch, channels, local_frames, height, width = latents.shape
-        h, w = height // p, width // p
-        # [B, C, T/N, H, W] -> [B*T/N, C, H, W] -> patch tokens [B*T/N, S, D] -> [B, T/N, S, D]
-        tokens = m.pos_embed(latents.permute(0, 2, 1, 3, 4).reshape(-1, channels, height, width))
-        seq = Sharded.wrap(tokens.view(batch, local_frames, h * w, tokens.shape[-1]),
-                           lengths=(frames, h * w), shard=T_DIM, group=self.group)
-
-        added_cond_kwargs = {"resolution": None, "aspect_ratio": None}
-        timestep, embedded_timestep = m.adaln_single(timestep, added_cond_kwargs=added_cond_kwargs,
-                                                     batch_size=batch, hidden_dtype=tokens.dtype)
-        text = m.caption_projection(encoder_hidden_states)             # [B, N_text, D]
-
-        for i, (spatial, temporal) in enumerate(zip(m.transformer_blocks, m.temporal_transformer_blocks)):
-            seq = seq.attend(S_DIM)                                     # S(S) -> S(T) unless already on T
-            rows = seq.rows_per_sample(S_DIM)                           # local frames
-            y = self._run(spatial, seq.fold(S_DIM), None, text.repeat_interleave(rows, dim=0),
-                          encoder_attention_mask, timestep.repeat_interleave(rows, dim=0), None, None)
-            seq = seq.unfold(y, S_DIM)
-            if not enable_temporal_attentions:
-                continue
-            seq = seq.attend(T_DIM)                                     # S(T) -> S(S)
-            folded = seq.fold(T_DIM)                                    # [B*S/N, T, D]
-            if i == 0 and frames > 1:
-                folded = folded + m.temp_pos_embed.to(folded.dtype)
-            y = self._run(temporal, folded, None, None, None,
-                          timestep.repeat_interleave(seq.rows_per_sample(T_DIM), dim=0), None, None)
-            seq = seq.unfold(y, T_DIM)
-
-        # output stage is per frame (modulation by the per-sample embedding, unpatchify)
-        seq = seq.attend(S_DIM)                                         # back to S(T)
-        x = seq.fold(S_DIM)                                             # [B*T/N, S, D]
-        embedded = embedded_timestep.repeat_interleave(local_frames, dim=0)
-        shift, scale = (m.scale_shift_table[None] + embedded[:, None]).chunk(2, dim=1)
-        x = m.proj_out(m.norm_out(x) * (1 + scale) + shift)            # [B*T/N, S, p*p*C_out]
-        x = x.reshape(-1, h, w, p, p, m.out_channels)
-        x = torch.einsum("nhwpqc->nchpwq", x).reshape(-1, m.out_channels, h * p, w * p)
-        # [B*T/N, C_out, H, W] -> [B, C_out, T/N, H, W]
-        return x.reshape(batch, local_frames, *x.shape[1:]).permute(0, 2, 1, 3, 4)

@@ -10,14 +10,16 @@ forward around its own blocks with this value type:
     fold(d)     -> [B * prod(local L_i, i != d), L_d, D]   what a block attending d runs on
     unfold(y,d) <- the inverse, with the LOCAL lengths of the other dims
 
-``lengths`` holds the global length of every sequence dim. It is part of the
-value (as DTensor carries its global shape), and ``tensor`` carries the sharded
-dim's ``layout.ShardSpec`` tag (the project's one carrier of shard metadata).
-The lengths come from the model input in the forward's own frame and are
-handed to every collective as ``global_len``: no
-per-forward global state, no closure, no extra collective. The type is frozen,
-so the same forward can run in two threads, under activation checkpointing, or
-re-entrantly (a pipeline calling the model twice per step).
+``Sharded`` is a thin view over the plan vocabulary (``dsp_plugin.plan``): the
+activation is a tensor in layout ``"B L1 .. Lk D"`` (``layout``), its global
+lengths a grid (``grid``), and a switch is ``plan.ops.plan_switch`` on them, which
+tags the result with the carrier, ``layout.ShardSpec``; entry and exit are the
+paper's ``split`` and ``gather`` (whose backward hands every rank the full input
+gradient). It stays for adapters written by hand, where hooks cannot reach a
+model (a layer reshaping with global lengths from its config; docs/models.md):
+such a forward keeps its global lengths in this value, not in a config or a global.
+The type is frozen, so the same forward can run in two threads, under activation
+checkpointing, or re-entrantly (a pipeline calling the model twice per step).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from dsp_plugin import layout
-from dsp_plugin.comm import chunk_sizes, dynamic_switch, gather, group_rank, group_size, split
+from dsp_plugin import layout as carrier
+from dsp_plugin.comm import chunk_sizes, gather, group_rank, group_size, split
+from dsp_plugin.plan import ops
+from dsp_plugin.plan.spec import Layout
 
 __all__ = ["Sharded", "check_divisible_lengths"]
 
@@ -59,12 +63,27 @@ class Sharded:
     def __post_init__(self) -> None:
         # the one carrier: the tensor itself carries its ShardSpec, so a primitive (or a plan hook)
         # handed ``seq.tensor`` reads the global length from it like from any other shard
-        layout.attach(self.tensor, self.shard, self.lengths[self.shard - 1])
+        ops.tag(self.tensor, self.layout, self.grid, self.axis(self.shard))
+
+    @staticmethod
+    def axis(dim: int) -> str:
+        """The layout's name of sequence dim ``dim``: ``L1``, ``L2``, ..."""
+        return f"L{dim}"
 
     @property
-    def spec(self) -> layout.ShardSpec:
+    def layout(self) -> Layout:
+        """``B L1 .. Lk D``: the plan vocabulary's layout of ``tensor``."""
+        return Layout.parse("B " + " ".join(self.axis(d) for d in self.sequence_dims) + " D")
+
+    @property
+    def grid(self) -> dict[str, int]:
+        """Global length of every sequence axis, by layout name."""
+        return {self.axis(d): n for d, n in zip(self.sequence_dims, self.lengths)}
+
+    @property
+    def spec(self) -> carrier.ShardSpec:
         """The carrier's tag of ``tensor``: ``S(shard)`` of the global length of that dim."""
-        return layout.ShardSpec(self.shard, self.lengths[self.shard - 1])
+        return ops.spec_for(self.layout, self.grid, self.axis(self.shard))
 
     # -- construction -------------------------------------------------------
     @staticmethod
@@ -105,8 +124,8 @@ class Sharded:
     # -- data movement ------------------------------------------------------
     def switch(self, tgt: int) -> Sharded:
         """S(shard) -> S(tgt): one all-to-all (none on a size-1 group)."""
-        x = dynamic_switch(self.tensor, self.shard, tgt, group=self.group,
-                           global_len=self.global_len(self.shard))
+        x = ops.plan_switch("Sharded.switch", self.tensor, self.layout, self.grid, self.axis(self.shard),
+                            self.axis(tgt), self.group)
         return replace(self, tensor=x, shard=tgt)
 
     def attend(self, dim: int, *, then: int | None = None) -> Sharded:

@@ -14,10 +14,10 @@ from typing import Any
 
 from torch import nn
 
-from dsp_plugin.plan.runtime import sharded_io
+from dsp_plugin.plan.frames import OnShard, sharded_io
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Layout, Positions, Split
 
-__all__ = ["Block", "Gather", "Grid", "Heads", "Layout", "Positions", "Split", "parallelize", "sharded_io"]
+__all__ = ["Block", "Gather", "Grid", "Heads", "Layout", "OnShard", "Positions", "Split", "parallelize", "sharded_io"]
 
 
 def parallelize(model: nn.Module, plan: Any = None, group: Any = None) -> nn.Module:
@@ -26,9 +26,8 @@ def parallelize(model: nn.Module, plan: Any = None, group: Any = None) -> nn.Mod
     Replicated in, replicated out, the model's call signature and its own
     parameters. ``plan``: a dict ``{module path: spec or [specs]}``; None looks
     for the model's ``_dsp_plan`` attribute, then a built-in plan for its class.
-    Hooks are registered in place and the model is returned, except for models
-    whose forward cannot be reached by hooks (SVD's spatio-temporal transformer),
-    which get their adapter, a module wrapping the model (``.model``).
+    Hooks are registered in place and the model is returned (a ``DSPPlan`` of the
+    reference STDiT goes through ``dsp_plugin.models.plan``).
     """
     from dsp_plugin.models.plan import DSPPlan
     from dsp_plugin.plan.builtin import builtin_plan
@@ -38,13 +37,8 @@ def parallelize(model: nn.Module, plan: Any = None, group: Any = None) -> nn.Mod
         plan = builtin_plan(model)
     if plan is None:
         name = type(model).__name__
-        if name == "TransformerSpatioTemporalModel":
-            from dsp_plugin.adapters.spatiotemporal import SpatioTemporalDSP
-
-            return SpatioTemporalDSP(model, group=group)
-        else:
-            raise ValueError(f"parallelize: no built-in plan for {name}; pass plan= (docs/models.md, 'a plan "
-                             f"for your own model') or set {name}._dsp_plan")
+        raise ValueError(f"parallelize: no built-in plan for {name}; pass plan= (docs/models.md, 'a plan "
+                         f"for your own model') or set {name}._dsp_plan")
     if isinstance(plan, DSPPlan):
         from dsp_plugin.models.plan import parallelize as parallelize_stdit
 

@@ -8,9 +8,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from dsp_plugin.plan.frames import OnShard
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["COGVIDEOX_PLAN", "LATTE_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan"]
+__all__ = ["COGVIDEOX_PLAN", "LATTE_PLAN", "SVD_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan"]
+
+
+
+def _latte_temporal_positions(model: Any, x: Any, grid: dict[str, int], local: dict[str, int]) -> Any:
+    """Latte adds ``temp_pos_embed`` before its first temporal block only ``if num_frame > 1``, with
+    ``num_frame`` read from its input: fed one frame of a longer video, a rank skips it. Add it there."""
+    return x + model.temp_pos_embed.to(x.dtype) if local["T"] == 1 < grid["T"] else x
+
 
 # diffusers' LatteTransformer3DModel: spatial blocks on [B*T, S, D], temporal blocks on [B*S, T, D], the model
 # reshaping between them inline with its own B. Shard the folded rows: the frames (T) for spatial blocks, the
@@ -22,7 +31,22 @@ LATTE_PLAN: dict[str, Any] = {
                                   follow={"encoder_hidden_states": "(B T)", "timestep": "(B T)"}),
     "temporal_transformer_blocks.*": Block("(B S) T D", attends="T", then="S", out_shard="T",
                                            follow={"timestep": "(B S)"}),
+    "temporal_transformer_blocks.0": OnShard(0, _latte_temporal_positions),
     "norm_out": Gather(0, "(B T) S D"),
+}
+
+# SVD's TransformerSpatioTemporalModel: every block on [B*F, S, D]; the temporal block folds itself into
+# [B*S, F, D] with the num_frames argument, so it runs on the patches' shard with F whole. Split the frames after
+# proj_in, switch to patches after each spatial block (the frame embedding, the temporal block, its frame-0 text
+# context and the time mixer are per pixel) and back before the next; gather before proj_out, whose reshape and
+# residual need every pixel. The frame-0 context is built by the model from the replicated input.
+SVD_PLAN: dict[str, Any] = {
+    "": Grid(F=("image_only_indicator", 1)),
+    "proj_in": Split("out", "(B F) S D", shard="F"),
+    "transformer_blocks.*": Block("(B F) S D", attends="S", then="F", out_shard="S",
+                                  follow={"encoder_hidden_states": "(B F)"}),
+    "temporal_transformer_blocks.*": Block("(B F) S D", attends="F", follow={"encoder_hidden_states": "(B S)"}),
+    "proj_out": Gather(0, "(B F) S D"),
 }
 
 # diffusers' WanTransformer3DModel: full 3D attention over the flattened [B, F*H*W, D] tokens (patch size 1 in
@@ -68,8 +92,8 @@ def stdit_plan(model: Any) -> dict[str, Any]:
     return plan
 
 
-_BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "WanTransformer3DModel": WAN_PLAN, "STDiT": stdit_plan,
-             "CogVideoXTransformer3DModel": COGVIDEOX_PLAN}
+_BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "TransformerSpatioTemporalModel": SVD_PLAN,
+             "WanTransformer3DModel": WAN_PLAN, "CogVideoXTransformer3DModel": COGVIDEOX_PLAN, "STDiT": stdit_plan}
 
 
 def builtin_plan(model: Any) -> Any:

@@ -1,0 +1,97 @@
+"""What a forward of a parallelized model records while it runs: frames, ``sharded_io``, ``OnShard``.
+
+A *frame* is this thread's record of one forward of one parallelized model,
+opened by the model's own pre-hook and closed by its post-hook: the global grid
+and the axis currently sharded. The hooks read it only where the model's own
+inline reshapes between two blocks made a new, untagged tensor (Latte folds
+``[B*T, S, D]`` into ``[B*S, T, D]`` with its own code): the local shape cannot
+tell the global lengths, so the block reads them from the frame and tags its
+input, where a recompute under activation checkpointing finds them again.
+
+``sharded_io`` tells the frames opened inside it that the model is fed shards
+and returns shards (sampling loops). ``OnShard`` is the plan's word for model
+code that reads a *local* length when fed a shard and so computes something
+else than on the full input (Latte adds its temporal positions only
+``if num_frame > 1``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["OnShard", "current_block", "frames", "sharded_io"]
+
+_local = threading.local()
+
+
+def frames() -> list[Any]:
+    """This thread's stack: ``sharded_io`` scopes, ``Frame`` records, and ``("block", spec, grid, shard)``."""
+    if not hasattr(_local, "frames"):
+        _local.frames = []
+    return _local.frames
+
+
+@dataclass
+class Frame:
+    owner: int
+    grid: dict[str, int] = field(default_factory=dict)
+    shard: str | None = None
+    sharded_io: bool = False
+    io_shard: str | None = None  # under sharded_io: the axis the caller's shards are on (returned on it)
+
+
+class sharded_io:  # noqa: N801 - used as a context manager, like torch.no_grad
+    """Feed the parallelized models called in this block (this thread) shards, and get shards back.
+
+    ``with sharded_io(F=frames, HW=h * w): out = model(local_latents, ...)``: the
+    keyword arguments are the global lengths of the sharded axis and of the axes
+    folded with it (a full tensor, such as a positional table, is told from a
+    shard by its length). A ``Split`` whose input is already this rank's shard
+    only tags it, ``Gather`` returns the shard (on the axis the input was sharded
+    on), ``Positions`` modules see the global shape, and ``OnShard`` corrections
+    run. Per-row conditioning that the model repeats by its local length is
+    recognised as local. For sampling loops that keep the latents sharded from
+    the first step to the last.
+    """
+
+    def __init__(self, **axes: int) -> None:
+        self.axes = {k: int(v) for k, v in axes.items()}
+
+    def __enter__(self) -> sharded_io:
+        frames().append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        frames().remove(self)
+
+
+def current_io() -> sharded_io | None:
+    return next((f for f in reversed(frames()) if isinstance(f, sharded_io)), None)
+
+
+def current_block() -> tuple[dict[str, int], str, Any] | None:
+    """(grid, sharded axis, layout) of the innermost block running on this thread."""
+    for f in reversed(frames()):
+        if isinstance(f, tuple) and f[0] == "block":
+            return f[2], f[3], f[1].layout
+    return None
+
+
+@dataclass(frozen=True)
+class OnShard:
+    """Under ``sharded_io``: correct argument ``arg`` of this module for model code that read a local length.
+
+    ``fn(model, x, grid, local) -> x`` runs before the module, after its
+    ``Block`` (so ``x`` has the placement the block runs on); ``grid`` holds the
+    global lengths, ``local`` the lengths the model saw (the axis the caller's
+    shards are on replaced by this rank's length). Latte's plan, for instance, adds the
+    temporal positions a rank holding one frame of a longer video skipped. The
+    correction is recorded on the module's input, so a recompute under
+    activation checkpointing applies it again.
+    """
+
+    arg: str | int
+    fn: Callable[[Any, Any, dict[str, int], dict[str, int]], Any]

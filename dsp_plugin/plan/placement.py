@@ -1,0 +1,76 @@
+"""Where a shard is: a tag's placement completed with the global lengths, full or shard, per-row conditioning.
+
+The carrier's tag (``layout.ShardSpec``) holds the global lengths of the sharded
+tensor dim's axes. A dim that folds other axes (``(B T)`` while the shard is on
+S) takes theirs from the forward's frame, or, in a recompute under activation
+checkpointing, from the input object itself (``GRID_ATTR``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+from dsp_plugin.plan import ops
+from dsp_plugin.plan.frames import Frame
+from dsp_plugin.plan.spec import Split
+
+__all__ = ["GRID_ATTR", "complete", "is_full", "split_rows"]
+
+GRID_ATTR = "_dsp_plan_grid"
+
+
+def complete(where: str, x: torch.Tensor, lay: Any, placed: tuple[dict[str, int], str],
+              frame: Frame | None) -> tuple[dict[str, int], str]:
+    """A tag's placement with the global lengths of every axis of ``lay``.
+
+    The tag holds the sharded dim's axes only; a dim folding other axes (``(B T)`` while sharded on S)
+    takes them from the forward's frame, or in a recompute from the input itself.
+    """
+    grid, shard = placed
+    needed = [ax for names in lay.dims if len(names) > 1 for ax in names] + [shard]  # a whole dim: its shape
+    if all(ax in grid for ax in needed):
+        return grid, shard
+    known = {**(frame.grid if frame is not None else {}), **getattr(x, GRID_ATTR, {})}
+    grid = {**{ax: known[ax] for ax in lay.axes if ax in known}, **grid}
+    missing = [ax for ax in needed if ax not in grid]
+    if missing:
+        raise ValueError(f"{where}: the global lengths of {missing} (layout '{lay}') are not on the "
+                         f"activation's tag and no forward of this model is in progress")
+    setattr(x, GRID_ATTR, grid)  # a recompute (no frame) finds them on its input
+    return grid, shard
+
+
+def is_full(x: torch.Tensor, spec: Split, grid: dict[str, int]) -> bool:
+    """Under ``sharded_io``: is ``x`` the full tensor (a positional table built for the global grid)?"""
+    dim = spec.layout.dim_of(spec.shard)
+    names = spec.layout.dims[dim]
+    if any(a not in grid for a in names):
+        return False
+    full = 1
+    for a in names:
+        full *= grid[a]
+    return x.dim() > dim and x.shape[dim] == full
+
+
+def split_rows(where: str, c: torch.Tensor, rows: Any, grid: dict[str, int], shard: str, group: Any) -> Any:
+    """Per-row conditioning for the global rows -> this rank's rows; rows already local are kept.
+
+    A model fed shards (``sharded_io``) repeats its conditioning by its *local* length (Latte's
+    ``timestep.repeat_interleave(num_frame)``): those rows are this rank's already.
+    """
+    names = rows.dims[0]
+    n, rank = group_size(group), group_rank(group)
+    lengths = [grid[a] for a in names]
+    local = [chunk_sizes(grid[a], n)[rank] if a == shard else grid[a] for a in names]
+    if n > 1 and c.shape[0] == math.prod(local):
+        return c
+    if c.shape[0] != math.prod(lengths):
+        raise ValueError(f"{where}: {c.shape[0]} rows, expected {' * '.join(names)} = {lengths} (the global "
+                         f"rows) or {local} (this rank's, sharded on {shard!r})")
+    u = c.reshape(*lengths, *c.shape[1:])
+    local = ops.partial_split(where, u, names.index(shard), group)
+    return local.reshape(-1, *c.shape[1:])
