@@ -37,12 +37,13 @@ import torch
 
 from dsp_plugin.spawn import spawn
 
-__all__ = ["QUICK", "SIZE", "main", "markdown", "wan_row"]
+__all__ = ["QUICK", "ROUNDS", "SIZE", "main", "markdown", "wan_row"]
 
 #: (layers, heads, head_dim, frames, height = width of the latents); patch (1, 2, 2)
 QUICK = (2, 4, 8, 4, 8)    # 4 x 4 x 4 = 64 tokens, hidden 32
 SIZE = (4, 12, 16, 8, 16)  # 8 x 8 x 8 = 512 tokens, hidden 192
 METHODS = ("ours", "diffusers")
+ROUNDS = 20  # timed rounds by default
 
 
 def _setup(size: tuple[int, ...]) -> tuple[Any, tuple[torch.Tensor, ...]]:
@@ -112,7 +113,7 @@ def _worker(rank: int, n: int, size: tuple[int, ...], steps: int) -> dict[str, A
     return out | {"times": times, "cpu": cpu, "one_process_s": one}
 
 
-def wan_row(n: int, *, quick: bool = False, steps: int = 20, size: tuple[int, ...] | None = None) -> dict[str, Any]:
+def wan_row(n: int, *, quick: bool = False, steps: int = ROUNDS, size: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Rank 0's counts, the max difference over the ranks, and the per-round times and ratios."""
     from dsp_plugin.bench.report import _quantiles
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, choices=(2, 4))
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK[0]} layers, {QUICK[1]} heads, {QUICK[3] * (QUICK[4] // 2) ** 2} tokens")
-    parser.add_argument("--steps", type=int, default=20, help="timed rounds (default 20)")
+    parser.add_argument("--steps", type=int, default=ROUNDS, help=f"timed rounds (default {ROUNDS})")
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error(f"--steps={args.steps}: expected at least 1 timed round")
