@@ -70,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.wan_only:
+        cfg = QUICK if args.quick else FULL
+        written = _full3d(args, dataclasses.replace(cfg, steps=args.steps or cfg.steps))
+        print(f"\n[bench] wrote {', '.join(map(str, written))}", file=sys.stderr)
+        return 0
     hw, calibration_rows = calibration.load(args.calibration)
     scale_md = scale_markdown.markdown(hw, calibration_rows)
     (args.out / "scale_model.md").write_text(scale_md + "\n")
@@ -82,9 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     cfg = QUICK if args.quick else FULL
     if args.steps is not None:
         cfg = dataclasses.replace(cfg, steps=args.steps)
-    if args.wan_only:
-        _full3d(args, cfg)
-        return 0
     mode = "quick" if args.quick else "full"
     print(f"[bench] {len(args.methods)} methods on {args.nproc} ranks, {choose(local_rank=0).backend} ({mode})",
           file=sys.stderr, flush=True)
