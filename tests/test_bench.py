@@ -26,10 +26,11 @@ def test_quick_bench_runs_and_writes_its_files(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop(calibration.ENV, None)
     proc = subprocess.run([sys.executable, "-m", "dsp_plugin.bench", "--quick", "--nproc", "2", "--out", str(tmp_path)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=420)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "[bench" in proc.stderr                                    # progress was shown
-    for name in ("bench_n2.json", "bench_n2.md", "bench_n2.png", "scale_model.png", "scale_model.md"):
+    for name in ("bench_n2.json", "bench_n2.md", "bench_n2.png", "scale_model.png", "scale_model.md", "wan_n2.md",
+                 "wan_n2.json", "mixed_n2.md"):
         assert (tmp_path / name).stat().st_size > 0, name
     summary = json.loads((tmp_path / "bench_n2.json").read_text())
     assert set(summary["methods"]) == {m + s for m in METHODS for s in ("", "+ckpt")}
@@ -43,6 +44,9 @@ def test_quick_bench_runs_and_writes_its_files(tmp_path: Path) -> None:
     assert ck["bwd_bytes_per_layer"] == pytest.approx(2 * ck["fwd_bytes_per_layer"])
     text = (tmp_path / "bench_n2.md").read_text()
     assert "| ulysses_paper |" in text and "Factor ladder" in text
+    wan = json.loads((tmp_path / "wan_n2.json").read_text())          # the full-3D section ran, diffusers beside us
+    assert wan["ours"]["all_to_all_per_layer"] == 2 and wan["diffusers"]["all_to_all_per_layer"] == 4, wan
+    assert "## Full 3D: Wan" in proc.stdout and "## Mixed model" in proc.stdout
 
 
 def test_bench_refuses_too_few_steps_and_unknown_methods() -> None:

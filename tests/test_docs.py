@@ -168,6 +168,10 @@ RULES: list[Rule] = [
     Rule(r"bench --scale-only", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),), expect="Fig 8"),
     Rule(r"bench --quick", "covered", tests=("tests/test_bench.py::test_quick_bench_runs_and_writes_its_files",)),
     Rule(r"bench --methods", "check", "flags checked; the methods run in tests/test_bench.py"),
+    Rule(r"bench --wan-only|bench --no-wan", "check", "flags checked; the same full-3D section runs in "
+         "tests/test_bench.py (--quick) and its Wan row in tests/test_plan_bench.py"),
+    Rule(r"python -m dsp_plugin\.bench\.wan", "covered",
+         tests=("tests/test_plan_bench.py::test_wan_row_quick_runs_diffusers_beside_ours",)),
     Rule(r"docs/benchmarks\.md:json", "run"),
     Rule(r"dsp_plugin\.bench\.switch --reps 30 --compare-with", "run",
          subs=((r"--reps 30 --compare-with OLD_COMM\.py", "--nproc 2 --mib 1 --reps 2 --compare-with "

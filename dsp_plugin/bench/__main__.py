@@ -4,16 +4,21 @@
     python -m dsp_plugin.bench --quick --nproc 2
     python -m dsp_plugin.bench --scale-only     # only the 128-H100 predictions
     python -m dsp_plugin.bench --scale-only --calibration measured.json
+    python -m dsp_plugin.bench --wan-only --nproc 2   # only the full-3D section: Wan + the mixed model
+    python -m dsp_plugin.bench --no-wan         # leave the Wan row out
     python -m dsp_plugin.bench.mixed            # only the mixed-model table (factorized + full blocks)
 
 The ranks run on NCCL, one GPU each, when CUDA is present, else on gloo and the CPU
 (``dsp_plugin.runtime``; ``DSP_BACKEND=gloo`` forces the CPU).
 
 Writes ``bench_n{N}.json``, ``bench_n{N}.md``, ``bench_n{N}.png`` and
-``scale_model.png`` under ``--out`` (default ``bench_out/``), and the mixed model's
-table (``dsp_plugin.bench.mixed``: DSP switches + head switch against Ulysses
-everywhere, in bytes) as ``mixed_n{N}.md``. Progress goes to
-stderr; the tables to stdout.
+``scale_model.png`` under ``--out`` (default ``bench_out/``), then the full-3D
+section: the Wan row (``dsp_plugin.bench.wan``: our plan against diffusers' own
+Ulysses on the same model and inputs, counts, equality and the time ratio of
+one run) as ``wan_n{N}.md`` and the mixed model's table
+(``dsp_plugin.bench.mixed``: DSP switches + head switch against Ulysses
+everywhere, in bytes) as ``mixed_n{N}.md``. Progress goes to stderr; the tables
+to stdout.
 """
 
 from __future__ import annotations
@@ -43,6 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"comma-separated subset of {','.join(METHODS)}")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (at least 10)")
     parser.add_argument("--scale-only", action="store_true", help="print the scale model and exit")
+    parser.add_argument("--wan-only", action="store_true",
+                        help="only the full-3D section: Wan (our plan against diffusers' Ulysses) and the mixed model")
+    parser.add_argument("--no-wan", action="store_true", help="leave the Wan row out")
     parser.add_argument("--calibration", type=Path, default=None,
                         help=f"JSON of measured figures for the scale model (default: ${calibration.ENV}, "
                              f"else ./{calibration.DEFAULT_FILE} when present)")
@@ -53,6 +61,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--methods: unknown {unknown}; expected a subset of {list(METHODS)}")
     if args.steps is not None and args.steps < 10:
         parser.error(f"--steps={args.steps}: the median needs at least 10 timed steps")
+    if args.wan_only and (args.no_wan or args.scale_only):
+        parser.error("--wan-only: runs only the Wan row and the mixed model; it excludes --no-wan and --scale-only")
     args.methods = methods
     return args
 
@@ -60,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.wan_only:
+        cfg = QUICK if args.quick else FULL
+        written = _full3d(args, dataclasses.replace(cfg, steps=args.steps or cfg.steps))
+        print(f"\n[bench] wrote {', '.join(map(str, written))}", file=sys.stderr)
+        return 0
     hw, calibration_rows = calibration.load(args.calibration)
     scale_md = scale_markdown.markdown(hw, calibration_rows)
     (args.out / "scale_model.md").write_text(scale_md + "\n")
@@ -93,16 +108,34 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(scale_md, flush=True)
     plotted = _plot(stem.with_suffix(".png"), report.plot, summary, stem.with_suffix(".png"))
-    from dsp_plugin.bench import mixed  # factorized + full-attention blocks: DSP against Ulysses everywhere
+    written = _full3d(args, cfg)
+    pngs = f", {stem}.png, {args.out / 'scale_model.png'}" if plotted else ""
+    print(f"\n[bench] wrote {stem}.json, {stem}.md, {', '.join(map(str, written))}{pngs} in "
+          f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
+    return 0
 
+
+def _full3d(args: argparse.Namespace, cfg: Any) -> list[Path]:
+    """The full-3D section: the Wan row (unless ``--no-wan``) and the mixed model; returns the files written."""
+    from dsp_plugin.bench import mixed, wan
+
+    written = []
+    if not args.no_wan:
+        print(f"[bench] Wan: our plan and diffusers' Ulysses on {args.nproc} ranks, alternating rounds",
+              file=sys.stderr, flush=True)
+        row = wan.wan_row(args.nproc, quick=args.quick, steps=args.steps or wan.ROUNDS)
+        wan_md = wan.markdown(row)
+        written += [args.out / f"wan_n{args.nproc}.md", args.out / f"wan_n{args.nproc}.json"]
+        written[-2].write_text(wan_md + "\n")
+        written[-1].write_text(json.dumps(row, indent=2, default=str) + "\n")
+        print(f"\n## Full 3D: Wan\n\n{wan_md}", flush=True)
+    # factorized + full-attention blocks: DSP against Ulysses everywhere
     mixed_md = mixed.run(args.nproc, mixed.PATTERN, mixed.QUICK_SHAPE if args.quick else mixed.SHAPE, mixed.HEADS,
                          reps=cfg.steps)
-    mixed_path = args.out / f"mixed_n{args.nproc}.md"
-    mixed_path.write_text(mixed_md + "\n")
-    print(f"\n## Mixed model\n\n{mixed_md}")
-    pngs = f", {stem}.png, {args.out / 'scale_model.png'}" if plotted else ""
-    print(f"\n[bench] wrote {stem}.json, {stem}.md, {mixed_path}{pngs} in {summary['wall_s']:.1f}s", file=sys.stderr)
-    return 0
+    written.append(args.out / f"mixed_n{args.nproc}.md")
+    written[-1].write_text(mixed_md + "\n")
+    print(f"\n## Mixed model\n\n{mixed_md}", flush=True)
+    return written
 
 
 def _plot(path: Path, fn: Any, *args: Any) -> bool:

@@ -1,127 +1,191 @@
-"""The full-3D row: Wan through ``dsp_plugin.parallelize`` against diffusers' own Ulysses, on N CPU ranks.
+"""The full-3D row: Wan through ``dsp_plugin.parallelize`` against diffusers' own Ulysses, in one run.
 
-    python -m dsp_plugin.bench.wan --nproc 2 [--quick]
+    python -m dsp_plugin.bench.wan --nproc 2 [--quick]    # also a section of python -m dsp_plugin.bench
 
-Measured here (gloo, CPU): our plan's forward against the unmodified model on
-one process (max |difference|), its all-to-alls and bytes per layer
-(``CommAccounting``), and the median forward time of both.
+On N gloo ranks (CPU, fp32), the same ``WanTransformer3DModel`` (random
+weights) and the same inputs, three ways: our plan (``dsp_plugin.parallelize``:
+the head switch, q, k, v packed in one all-to-all and the output in one more),
+diffusers 0.42's own Ulysses (``ContextParallelConfig(ulysses_degree=N)``: q, k
+and v with one all-to-all each and the output with a fourth; how it is turned on
+without an accelerator: ``dsp_plugin.bench.diffusers_cp``), and the unmodified
+model on one process. Per method: all-to-alls and bytes per layer and the exit
+all-gather (``CommAccounting``, rank 0), the max |difference| from the one
+process output over the ranks, and one forward's time (a denoising step;
+diffusers' context parallelism is for inference). The two parallel methods are
+timed in the same rounds, in alternating order, and their time ratio is taken
+round by round (the slowest rank's time each), then summarised as median
+[interquartile range] (min-max), wall and CPU time (user + system, gloo's
+threads included: another job's time on the cores left out).
 
-diffusers' ``enable_parallelism(ContextParallelConfig(ulysses_degree=N))`` cannot
-run on a CPU-only host: ``ModelMixin._resolve_parallel_config`` (diffusers
-0.42.1, modeling_utils.py:1719) places each rank on
-``rank % torch.accelerator.device_count()``, a modulo by zero without an
-accelerator. So its row is by formula, from its code: ``TemplatedUlyssesAttention``
-sends q, k and v with one ``all_to_all_single`` each and the output with a
-fourth (attention_dispatch.py:2570, 2597); the bytes are the same as ours
-(every rank sends (N-1)/N of its q, k, v and output), the calls 4 per layer
-against our 2 (one packed q/k/v, one output). Both gather the output once.
-Per rank the bytes differ when the frames do not divide by N: Wan's plan shards
-whole frames of tokens (so sampling can keep the latents sharded on frames),
-diffusers' plan cuts the flat token sequence evenly; 5 frames on 4 ranks give
-rank 0 two frames (128 of 320 tokens) against diffusers' 80.
+Both split the same tokens when the frames divide by N: our plan shards whole
+frames of tokens (so sampling keeps the latents sharded on frames), diffusers'
+chunks the flat token sequence; both gather after ``proj_out``. The quick and
+default shapes have frames and heads divisible by 2 and 4, the two ways' bytes
+are then equal; only the number of all-to-alls (2 against 4 per layer) and
+the copies around them differ.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
-import statistics
 import time
+import warnings
 from typing import Any
 
 import torch
 
 from dsp_plugin.spawn import spawn
 
-__all__ = ["main", "wan_row"]
+__all__ = ["QUICK", "ROUNDS", "SIZE", "main", "markdown", "wan_row"]
+
+#: (layers, heads, head_dim, frames, height = width of the latents); patch (1, 2, 2)
+QUICK = (2, 4, 8, 4, 8)    # 4 x 4 x 4 = 64 tokens, hidden 32
+SIZE = (4, 12, 16, 8, 16)  # 8 x 8 x 8 = 512 tokens, hidden 192
+METHODS = ("ours", "diffusers")
+ROUNDS = 20  # timed rounds by default
 
 
-def _setup(quick: bool) -> tuple[Any, tuple[torch.Tensor, ...]]:
+def _setup(size: tuple[int, ...]) -> tuple[Any, tuple[torch.Tensor, ...]]:
     from dsp_plugin.adapters.tiny import tiny_wan
 
-    layers, heads, size = (2, 3, 6) if quick else (4, 12, 16)
-    model = tiny_wan(layers=layers, heads=heads, head_dim=8)
+    layers, heads, head_dim, frames, hw = size
+    model = tiny_wan(layers=layers, heads=heads, head_dim=head_dim)
     g = torch.Generator().manual_seed(0)
-    batch = (torch.randn(1, 4, 5, size, size, generator=g), torch.tensor([500]),
+    batch = (torch.randn(1, 4, frames, hw, hw, generator=g), torch.tensor([500]),
              torch.randn(1, 7, 16, generator=g))
     return model, batch
 
 
-def _median_time(fn: Any, steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _worker(rank: int, n: int, quick: bool, steps: int) -> dict[str, Any]:
-    import dsp_plugin
+def _account(model: Any, batch: tuple[torch.Tensor, ...], expected: torch.Tensor) -> dict[str, Any]:
     from dsp_plugin.accounting import CommAccounting
+
+    with torch.no_grad(), CommAccounting(activations=False) as acct:
+        out = model(*batch, return_dict=False)[0]
+    return {"max_diff": (out - expected).abs().max().item(),
+            "all_to_all": acct.count("all_to_all"), "a2a_bytes": acct.bytes_sent("all_to_all"),
+            "all_gather": acct.count("all_gather"), "gather_bytes": acct.bytes_sent("all_gather"),
+            "other": acct.count() - acct.count("all_to_all") - acct.count("all_gather")}
+
+
+def _worker(rank: int, n: int, size: tuple[int, ...], steps: int) -> dict[str, Any]:
+    import dsp_plugin
+    from diffusers.utils import logging as diffusers_logging
+
+    from dsp_plugin.bench import diffusers_cp
     from dsp_plugin.topology import Topology, set_topology
 
-    set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)
-    reference, batch = _setup(quick)
-    model = dsp_plugin.parallelize(copy.deepcopy(reference))
-    layers = len(reference.blocks)
+    diffusers_logging.set_verbosity_error()  # "experimental feature"; Wan 2.1's 1-D timestep is left unsplit
+    warnings.filterwarnings("ignore", "`torch.distributed._functional_collectives.all_gather_tensor` is deprecated",
+                            FutureWarning)   # diffusers' gather hook, once per rank
+    set_topology(Topology.world())           # the whole world is the DSP group (group=None refuses without one)
+    reference, batch = _setup(size)
+    layers, heads = size[0], size[1]
+    tokens = size[3] * (size[4] // 2) ** 2
+    models = {"ours": dsp_plugin.parallelize(copy.deepcopy(reference))}
+    refused = diffusers_cp.refusal(heads, tokens, n)
+    out: dict[str, Any] = {"layers": layers, "heads": heads, "tokens": tokens, "refused": refused}
+    if refused is None:
+        theirs = copy.deepcopy(reference)
+        out["diffusers_how"] = diffusers_cp.enable_ulysses(theirs, n)
+        models["diffusers"] = theirs
     with torch.no_grad():
         expected = reference(*batch, return_dict=False)[0]
-        with CommAccounting(activations=False) as acct:
-            out = model(*batch, return_dict=False)[0]
-        ours = _median_time(lambda: model(*batch), steps)
-        one = _median_time(lambda: reference(*batch), steps) if rank == 0 else 0.0
-    heads, head_dim = reference.config.num_attention_heads, reference.config.attention_head_dim
-    tokens = out.shape[2] * out.shape[3] * out.shape[4] // 4
-    local = tokens // n + (1 if rank < tokens % n else 0)
-    # diffusers' Ulysses by formula: q, k, v and the output, each (N-1)/N of this rank's [local, H*Dh] fp32
-    # sent; its reshape into N head groups (attention_dispatch.py:2566) needs H % N == 0
-    ulysses_bytes = 4 * local * heads * head_dim * 4 * (n - 1) // n if heads % n == 0 else None
-    return {"max_diff": (out - expected).abs().max().item(), "layers": layers, "tokens": tokens,
-            "heads": heads, "all_to_all": acct.count("all_to_all"), "all_gather": acct.count("all_gather"),
-            "a2a_bytes_sent": acct.bytes_sent("all_to_all"), "ulysses_bytes_formula": None if ulysses_bytes is None else ulysses_bytes * layers,
-            "ours_s": ours, "one_process_s": one}
+    for name, model in models.items():
+        out[name] = _account(model, batch, expected)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    cpu: dict[str, list[float]] = {name: [] for name in models}
+    names = list(models)
+    with torch.no_grad():
+        for step in range(steps + 1):        # round 0 warms up, not kept
+            for name in (names if step % 2 == 0 else names[::-1]):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                models[name](*batch, return_dict=False)
+                if step:
+                    times[name].append(time.perf_counter() - start)
+                    cpu[name].append(time.process_time() - start_cpu)
+        one = []
+        if rank == 0:                        # after the rounds: the other ranks have nothing to wait on
+            for _ in range(max(3, steps // 3)):
+                start = time.perf_counter()
+                reference(*batch, return_dict=False)
+                one.append(time.perf_counter() - start)
+    return out | {"times": times, "cpu": cpu, "one_process_s": one}
 
 
-def wan_row(n: int, *, quick: bool = False, steps: int = 10) -> dict[str, Any]:
-    """Rank 0's figures, with the per-layer counts."""
-    rows = spawn(_worker, n, quick, steps, timeout=600)
-    row = rows[0]
-    row["n"] = n
-    row["all_to_all_per_layer"] = row["all_to_all"] / row["layers"]
-    row["ulysses_all_to_all_per_layer"] = 4
-    row["max_diff"] = max(r["max_diff"] for r in rows)
+def wan_row(n: int, *, quick: bool = False, steps: int = ROUNDS, size: tuple[int, ...] | None = None) -> dict[str, Any]:
+    """Rank 0's counts, the max difference over the ranks, and the per-round times and ratios."""
+    from dsp_plugin.bench.report import _quantiles
+
+    size = size or (QUICK if quick else SIZE)
+    rows = spawn(_worker, n, size, steps, timeout=600, collective_timeout_s=120)
+    row = {k: v for k, v in rows[0].items() if k not in ("times", "cpu")}
+    row["n"], row["size"], row["steps"] = n, size, steps
+    for name in METHODS:
+        if name not in row:
+            continue
+        row[name]["max_diff"] = max(r[name]["max_diff"] for r in rows)
+        row[name]["all_to_all_per_layer"] = row[name]["all_to_all"] / row["layers"]
+        rounds = [max(ts) for ts in zip(*(r["times"][name] for r in rows))]
+        row[name]["rounds_s"] = rounds
+        row[name]["step_s"] = _quantiles(rounds)
+        row[name]["cpu_rounds_s"] = [max(ts) for ts in zip(*(r["cpu"][name] for r in rows))]
+    if "diffusers" in row:
+        ours, theirs = row["ours"], row["diffusers"]
+        row["ratio"] = _quantiles([a / b for a, b in zip(ours["rounds_s"], theirs["rounds_s"])])
+        row["cpu_ratio"] = _quantiles([a / b for a, b in zip(ours["cpu_rounds_s"], theirs["cpu_rounds_s"])])
+    row["one_process"] = _quantiles(row.pop("one_process_s"))
     return row
 
 
+def _spread(q: dict[str, float]) -> str:
+    return f"{q['median']:.2f} [{q['p25']:.2f}-{q['p75']:.2f}] ({q['min']:.2f}-{q['max']:.2f})"
+
+
 def markdown(row: dict[str, Any]) -> str:
-    ulysses = row["ulysses_bytes_formula"]
-    ulysses_bytes = (f"{ulysses // row['layers']} (formula)" if ulysses is not None
-                     else f"cannot run: {row['heads']} heads on {row['n']} ranks (needs H % N == 0)")
-    return "\n".join([
-        f"Wan (diffusers WanTransformer3DModel), {row['layers']} layers, {row['heads']} heads, "
-        f"{row['tokens']} tokens, N={row['n']} (gloo, CPU, fp32, forward)",
-        "",
-        "| method | all-to-alls per layer | all-to-all bytes sent per layer (rank 0) | exit all_gathers | "
-        "max abs diff vs one process | forward s (median) |",
-        "| --- | --- | --- | --- | --- | --- |",
-        f"| dsp_plugin.parallelize (head switch) | {row['all_to_all_per_layer']:g} | "
-        f"{row['a2a_bytes_sent'] // row['layers']} | {row['all_gather']} | {row['max_diff']:.3g} | "
-        f"{row['ours_s']:.4f} |",
-        f"| diffusers enable_parallelism(ulysses_degree={row['n']}) | 4 (formula) | "
-        f"{ulysses_bytes} | 1 (formula) | not runnable on CPU | "
-        f"not runnable on CPU |",
-        f"| unmodified model, one process | 0 | 0 | 0 | 0 | {row['one_process_s']:.4f} |",
-    ])
+    from dsp_plugin.bench.diffusers_cp import WHY
+
+    import diffusers
+
+    n, layers = row["n"], row["layers"]
+    _, heads, head_dim, frames, hw = row["size"]
+    lines = [f"Wan (diffusers WanTransformer3DModel, random weights): {layers} layers, {heads} heads x {head_dim}, "
+             f"latents {frames} frames x {hw}x{hw} = {row['tokens']} tokens; N={n} gloo ranks, CPU, fp32; one forward "
+             f"(a denoising step); bytes sent by rank 0; {row['steps']} timed rounds, the two parallel methods "
+             "alternating in each.", "",
+             "| method | all-to-alls per layer | all-to-all bytes per layer | exit all-gathers (bytes) | "
+             "max abs diff vs one process | forward ms (median) |", "| --- | --- | --- | --- | --- | --- |"]
+    labels = {"ours": "dsp_plugin.parallelize (head switch: q, k, v packed)",
+              "diffusers": f"diffusers {diffusers.__version__} Ulysses (ulysses_degree={n}; q, k, v apart)"}
+    for name in METHODS:
+        r = row.get(name)
+        if r is None:
+            lines.append(f"| {labels[name]} | 4 (formula) | {row['refused']} | 1 (formula) | - | - |")
+            continue
+        lines.append(f"| {labels[name]} | {r['all_to_all_per_layer']:g} | {r['a2a_bytes'] // layers:,} | "
+                     f"{r['all_gather']} ({r['gather_bytes']:,}) | {r['max_diff']:.1e} | "
+                     f"{1e3 * r['step_s']['median']:.1f} |")
+    lines.append(f"| unmodified model, one process | 0 | 0 | 0 | 0 | {1e3 * row['one_process']['median']:.1f} |")
+    lines.append("")
+    if "ratio" in row:
+        lines.append(f"Time ours / diffusers, same round: wall {_spread(row['ratio'])}, CPU "
+                     f"{_spread(row['cpu_ratio'])} (median [interquartile range] (min-max) over the rounds).")
+        lines.append(f"diffusers' side: its own code via {row['diffusers_how']}: {WHY}.")
+    else:
+        lines.append(f"diffusers' side by formula from its code (TemplatedUlyssesAttention): {row['refused']}.")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsp_plugin.bench.wan", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, choices=(2, 4))
-    parser.add_argument("--quick", action="store_true", help="2 layers, 3 heads, 45 tokens")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK[0]} layers, {QUICK[1]} heads, {QUICK[3] * (QUICK[4] // 2) ** 2} tokens")
+    parser.add_argument("--steps", type=int, default=ROUNDS, help=f"timed rounds (default {ROUNDS})")
     args = parser.parse_args(argv)
+    if args.steps < 1:
+        parser.error(f"--steps={args.steps}: expected at least 1 timed round")
     print(markdown(wan_row(args.nproc, quick=args.quick, steps=args.steps)))
     return 0
 
