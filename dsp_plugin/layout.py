@@ -39,6 +39,7 @@ import math
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -101,7 +102,21 @@ def attach(x: torch.Tensor, dim: int, global_len: int, *, grid: tuple[int, ...] 
     ``grid``/``axis`` describe a dim that folds several sequence axes (see :class:`ShardSpec`).
     """
     spec = ShardSpec(dim % x.dim(), int(global_len), tuple(int(g) for g in grid), int(axis))
-    setattr(x, _ATTR, spec)
+    return note(x, _ATTR, spec)
+
+
+def shard_spec(x: torch.Tensor) -> ShardSpec | None:
+    """The tag of ``x``, or of a live tensor that is exactly the same view of the same memory."""
+    return noted(x, _ATTR)
+
+
+def note(x: torch.Tensor, name: str, value: Any) -> torch.Tensor:
+    """Attach ``value`` to ``x`` as attribute ``name``, found again on detached aliases of ``x``; returns ``x``.
+
+    The tag above is one such note; the plan runtime keeps the global lengths of a replicated input's
+    folded axes the same way, for a recompute that runs on a detached copy (reentrant checkpointing).
+    """
+    setattr(x, name, value)
     key = _alias_key(x)
     if key is not None:
         with _lock:
@@ -109,17 +124,18 @@ def attach(x: torch.Tensor, dim: int, global_len: int, *, grid: tuple[int, ...] 
     return x
 
 
-def shard_spec(x: torch.Tensor) -> ShardSpec | None:
-    """The tag of ``x``, or of a live tensor that is exactly the same view of the same memory."""
-    spec = getattr(x, _ATTR, None)
-    if spec is not None:
-        return spec
+def noted(x: torch.Tensor, name: str, default: Any = None) -> Any:
+    """The note ``name`` of ``x``, or of a live tensor that is exactly the same view of the same memory."""
+    value = getattr(x, name, None)
+    if value is not None:
+        return value
     key = _alias_key(x)
     if key is None:
-        return None
+        return default
     with _lock:
         original = _aliases.get(key)
-    return None if original is None else getattr(original, _ATTR, None)
+    value = None if original is None else getattr(original, name, None)
+    return default if value is None else value
 
 
 def global_len_of(x: torch.Tensor, dim: int) -> int | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dsp_plugin import layout as carrier
 from dsp_plugin.comm import chunk_sizes, group_rank, group_size
 from dsp_plugin.plan import ops
 from dsp_plugin.plan.frames import Frame
@@ -34,13 +35,13 @@ def complete(where: str, x: torch.Tensor, lay: Any, placed: tuple[dict[str, int]
     needed = [ax for names in lay.dims if len(names) > 1 for ax in names] + [shard]  # a whole dim: its shape
     if all(ax in grid for ax in needed):
         return grid, shard
-    known = {**(frame.grid if frame is not None else {}), **getattr(x, GRID_ATTR, {})}
+    known = {**(frame.grid if frame is not None else {}), **carrier.noted(x, GRID_ATTR, {})}
     grid = {**{ax: known[ax] for ax in lay.axes if ax in known}, **grid}
     missing = [ax for ax in needed if ax not in grid]
     if missing:
         raise ValueError(f"{where}: the global lengths of {missing} (layout '{lay}') are not on the "
                          f"activation's tag and no forward of this model is in progress")
-    setattr(x, GRID_ATTR, grid)  # a recompute (no frame) finds them on its input
+    carrier.note(x, GRID_ATTR, grid)  # a recompute (no frame) finds them on its input
     return grid, shard
 
 

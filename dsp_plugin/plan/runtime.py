@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+from dsp_plugin import layout as carrier
 from dsp_plugin.plan import ops, recompute
 from dsp_plugin.plan.args import Args as _Args
 from dsp_plugin.plan.args import expand, map_tensors as _map_tensors
@@ -145,9 +146,9 @@ class _Runtime:
             return ops.tag(x, spec.layout, grid, spec.shard)
         # a recompute under activation checkpointing runs this hook again on the same input, in backward,
         # where no frame is open: the grid is kept on the replicated input itself
-        known = frame.grid if frame is not None else getattr(x, _GRID_ATTR, {})
+        known = frame.grid if frame is not None else carrier.noted(x, _GRID_ATTR, {})
         grid = ops.infer_grid(where, x, spec.layout, known)
-        setattr(x, _GRID_ATTR, grid)
+        carrier.note(x, _GRID_ATTR, grid)
         if frame is not None:
             frame.grid, frame.shard = grid, spec.shard
         return ops.plan_split(where, x, spec.layout, grid, spec.shard, self.group)
@@ -182,7 +183,7 @@ class _Runtime:
                                  f"is in progress; expected a Split before this block")
             placed = (frame.grid, frame.shard)
             x = ops.tag(x, spec.layout, *placed)  # so a recompute finds the placement on its input,
-            setattr(x, _GRID_ATTR, dict(frame.grid))  # and the lengths of the axes the tag does not hold
+            carrier.note(x, _GRID_ATTR, dict(frame.grid))  # and the lengths of the axes the tag does not hold
         grid, shard = _complete(path, x, spec.layout, placed, frame)
         if spec.attends is not None and spec.attends == shard:
             if spec.then is None:
@@ -202,9 +203,9 @@ class _Runtime:
         if frame is not None:  # the forward decides; a recompute (no frame) finds the decision on the input
             io = frame.io_shard if frame.sharded_io else None
             if isinstance(original, torch.Tensor):
-                setattr(original, _ONSHARD_ATTR, io)
+                carrier.note(original, _ONSHARD_ATTR, io)
         else:
-            io = getattr(original, _ONSHARD_ATTR, None)
+            io = carrier.noted(original, _ONSHARD_ATTR) if isinstance(original, torch.Tensor) else None
         if io is None:
             return
         block = current_block()
