@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 from typing import Any
 
 import torch
@@ -36,11 +37,25 @@ def expand(model: nn.Module, plan: dict[str, Any]) -> list[tuple[str, nn.Module,
     return [(n, names[n], found[n]) for n in names if n in found]
 
 
+_SIGNATURES: weakref.WeakKeyDictionary[Any, inspect.Signature] = weakref.WeakKeyDictionary()
+
+
+def _signature(forward: Any) -> inspect.Signature:
+    """``inspect.signature`` of a bound ``forward``, once per function (it costs ~50 us a call, on every hook)."""
+    func = getattr(forward, "__func__", None)
+    if func is None:  # not a plain method (a partial, a callable object): no cache
+        return inspect.signature(forward)
+    sig = _SIGNATURES.get(func)
+    if sig is None:
+        sig = _SIGNATURES[func] = inspect.signature(forward)
+    return sig
+
+
 class Args:
     """A module call's arguments by name (``inspect.signature`` of its forward)."""
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.sig = inspect.signature(module.forward)
+        self.sig = _signature(module.forward)
         self.bound = self.sig.bind_partial(*args, **kwargs)
 
     def name(self, arg: str | int) -> str:
