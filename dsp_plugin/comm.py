@@ -58,6 +58,7 @@ __all__ = [
     "all_reduce_mean",
     "meet_and_close",
     "chunk_sizes",
+    "count_sharded_call",
     "dynamic_switch",
     "exchange_words",
     "gather",
@@ -80,9 +81,12 @@ def sharded_calls() -> int:
     return _sharded_calls
 
 
-def _count_sharded_call() -> None:
+def count_sharded_call() -> None:
+    """Record that a shard was made outside ``split``/``dynamic_switch`` (a plan's partial split): what the
+    DeepSpeed guard reads through :func:`sharded_calls` to tell a DSP model from one that never shards."""
     global _sharded_calls
     _sharded_calls += 1
+
 
 # ---------------------------------------------------------------------------
 # groups, arguments and the cross-rank agreement
@@ -398,7 +402,7 @@ def split(x: torch.Tensor, tgt_shard: int, *, group: dist.ProcessGroup | None = 
     if n == 1:
         return x
     _agree("split", x, cur=-1, tgt=dim, known_len=None, group=group, n=n, rank=rank, error=error)
-    _count_sharded_call()
+    count_sharded_call()
     return layout.attach(_Split.apply(x, dim, group, n, rank), dim, x.shape[dim])
 
 
@@ -459,7 +463,7 @@ def _prepare_switch(name: str, x: object, cur_shard: object, tgt_shard: object,
     # the fingerprint names the collective's primitive: both callers issue a switch
     cur_full = _agree("dynamic_switch", x, cur=cur, tgt=tgt, known_len=known, group=group, n=n, rank=rank,
                       error=error)
-    _count_sharded_call()
+    count_sharded_call()
     return cur, tgt, cur_full, group, n, rank, extra
 
 

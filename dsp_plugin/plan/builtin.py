@@ -14,7 +14,6 @@ from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 __all__ = ["COGVIDEOX_PLAN", "LATTE_PLAN", "SVD_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan"]
 
 
-
 def _latte_temporal_positions(model: Any, x: Any, grid: dict[str, int], local: dict[str, int]) -> Any:
     """Latte adds ``temp_pos_embed`` before its first temporal block only ``if num_frame > 1``, with
     ``num_frame`` read from its input: fed one frame of a longer video, a rank skips it. Add it there."""

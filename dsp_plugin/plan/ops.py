@@ -163,7 +163,7 @@ def partial_split(where: str, x: torch.Tensor, axis_index: int, group: Any) -> t
         raise ValueError(f"{where}: a sequence axis of length {length} cannot be split over {n} ranks; expected "
                          f"at least one element per rank (length >= {n})")
     sizes = chunk_sizes(length, n)
-    comm._count_sharded_call()  # a shard is made: what the DeepSpeed guard checks a DSP model does
+    comm.count_sharded_call()  # a shard is made: what the DeepSpeed guard checks a DSP model does
     return _PartialSplit.apply(x, axis_index, offsets(sizes)[rank], sizes[rank])
 
 
