@@ -5,7 +5,7 @@ while rank 0 saw "connection closed"; a DeepSpeed config without (or with a
 misspelled) ``sequence_parallel_mode`` died after minutes in torch's loader
 ("batch_size=4.0"); a missing ``--load_dir`` or an unwritable ``--save_dir`` gave
 DeepSpeed's bare assertion; Megatron's ``--load`` of nothing trained from scratch
-with exit 0. Two torchrun runs show the error on both ranks; the rest calls the
+with exit 0. Two 2-rank runs (torchrun's environment) show the error on both ranks; the rest calls the
 launch's own preflight in this process (it issues no collective by design).
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from argparse import Namespace
@@ -26,10 +27,28 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", f"dsp_plugin.launch.{script}", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    """The launch on 2 ranks, with torchrun's environment, each rank left to finish on its own.
+
+    torchrun's agent SIGTERMs every other rank as soon as one fails, so whether a slower rank got to print its own
+    error is a race (seen in the merged suite: rank 1 killed while importing). The ranks are started here as
+    torchrun starts them (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT), without the agent: a rank that waited
+    for its peer in a collective would hang to the timeout instead of printing.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cmd = [sys.executable, "-m", f"dsp_plugin.launch.{script}", *args]
+    ranks = [subprocess.Popen(cmd, cwd=ROOT, env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    return subprocess.CompletedProcess(cmd, max(abs(p.returncode) for p in ranks),
+                                       "".join(o for o, _ in outs), "".join(e for _, e in outs))
 
 
 def _module(name: str) -> ModuleType:
