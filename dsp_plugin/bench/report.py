@@ -56,7 +56,8 @@ def exact_bytes(method: str, n: int, cfg: BenchConfig, *, checkpointing: bool) -
     return f, (b + f if checkpointing else b)
 
 
-def _quantiles(xs: list[float]) -> dict[str, float]:
+def quantiles(xs: list[float]) -> dict[str, float]:
+    """Median, quartiles and extremes of per-round figures (times or same-round ratios); shared by the benches."""
     xs = sorted(xs)
     q = statistics.quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else [xs[0]] * 3
     return {"median": statistics.median(xs), "p25": q[0], "p75": q[2], "min": xs[0], "max": xs[-1]}
@@ -87,7 +88,7 @@ def summarize(per_rank: list[dict[str, Any]], cfg: BenchConfig, n: int) -> dict[
             "fwd_ops": first["fwd_ops"], "bwd_ops": first["bwd_ops"],
             "saved_activation_bytes": max(r["saved_activation_bytes"] for r in results),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in results),
-            "step_s": _quantiles(rounds[name]), "cpu_s": _quantiles(cpu_rounds[name]),
+            "step_s": quantiles(rounds[name]), "cpu_s": quantiles(cpu_rounds[name]),
             "step_times_s_per_rank": [r["step_times_s"] for r in results],
             "max_abs_err_vs_single": max(r["max_abs_err_vs_single"] for r in results),
         }
@@ -96,10 +97,10 @@ def summarize(per_rank: list[dict[str, Any]], cfg: BenchConfig, n: int) -> dict[
             continue
         dsp = "dsp+ckpt" if row["checkpointing"] else "dsp"
         if dsp in rounds:
-            row["over_dsp"] = _quantiles([a / b for a, b in zip(rounds[name], rounds[dsp])])
-            row["cpu_over_dsp"] = _quantiles([a / b for a, b in zip(cpu_rounds[name], cpu_rounds[dsp])])
+            row["over_dsp"] = quantiles([a / b for a, b in zip(rounds[name], rounds[dsp])])
+            row["cpu_over_dsp"] = quantiles([a / b for a, b in zip(cpu_rounds[name], cpu_rounds[dsp])])
         if row["checkpointing"] and row["method"] in rounds:
-            row["over_no_ckpt"] = _quantiles([a / b for a, b in zip(rounds[name], rounds[row["method"]])])
+            row["over_no_ckpt"] = quantiles([a / b for a, b in zip(rounds[name], rounds[row["method"]])])
     micro = {
         "bytes_per_rank": per_rank[0]["micro"]["bytes_per_rank"],
         "switch_s": max(r["micro"]["switch"] for r in per_rank),

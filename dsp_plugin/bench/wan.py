@@ -115,7 +115,7 @@ def _worker(rank: int, n: int, size: tuple[int, ...], steps: int) -> dict[str, A
 
 def wan_row(n: int, *, quick: bool = False, steps: int = ROUNDS, size: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Rank 0's counts, the max difference over the ranks, and the per-round times and ratios."""
-    from dsp_plugin.bench.report import _quantiles
+    from dsp_plugin.bench.report import quantiles
 
     size = size or (QUICK if quick else SIZE)
     rows = spawn(_worker, n, size, steps, timeout=600, collective_timeout_s=120)
@@ -128,13 +128,13 @@ def wan_row(n: int, *, quick: bool = False, steps: int = ROUNDS, size: tuple[int
         row[name]["all_to_all_per_layer"] = row[name]["all_to_all"] / row["layers"]
         rounds = [max(ts) for ts in zip(*(r["times"][name] for r in rows))]
         row[name]["rounds_s"] = rounds
-        row[name]["step_s"] = _quantiles(rounds)
+        row[name]["step_s"] = quantiles(rounds)
         row[name]["cpu_rounds_s"] = [max(ts) for ts in zip(*(r["cpu"][name] for r in rows))]
     if "diffusers" in row:
         ours, theirs = row["ours"], row["diffusers"]
-        row["ratio"] = _quantiles([a / b for a, b in zip(ours["rounds_s"], theirs["rounds_s"])])
-        row["cpu_ratio"] = _quantiles([a / b for a, b in zip(ours["cpu_rounds_s"], theirs["cpu_rounds_s"])])
-    row["one_process"] = _quantiles(row.pop("one_process_s"))
+        row["ratio"] = quantiles([a / b for a, b in zip(ours["rounds_s"], theirs["rounds_s"])])
+        row["cpu_ratio"] = quantiles([a / b for a, b in zip(ours["cpu_rounds_s"], theirs["cpu_rounds_s"])])
+    row["one_process"] = quantiles(row.pop("one_process_s"))
     return row
 
 
