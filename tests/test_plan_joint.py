@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dsp_plugin import comm, reduce_gradients
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.checks import check_mode
-from dsp_plugin.heads import head_ranges
+from dsp_plugin.head_switch import head_ranges
 from dsp_plugin.plan import Block, Heads, Split
 from dsp_plugin.plan.examples import Attention, JointDiT
 from tests.distributed import assert_no_steady_state_checks, run_distributed

@@ -1,4 +1,4 @@
-"""What a valid head-switch call is (``dsp_plugin.heads``): the argument checks made before the exchange.
+"""What a valid head-switch call is (``dsp_plugin.head_switch``): the argument checks made before the exchange.
 
 Each raises a ``TypeError`` / ``ValueError`` naming the value and what was
 expected; ``to_heads`` / ``from_heads`` carry it to every rank through the

@@ -61,7 +61,7 @@ from typing import Any
 import torch
 
 from dsp_plugin import comm, layout
-from dsp_plugin.head_args import check_qkv, check_replicated
+from dsp_plugin.head_switch.arg_checks import check_qkv, check_replicated
 from dsp_plugin.packing import chunk_sizes, offsets
 
 __all__ = ["from_heads", "head_ranges", "kv_elements_sent", "kv_head_ranges", "to_heads"]
