@@ -175,7 +175,7 @@ RULES: list[Rule] = [
     Rule(r"docs/benchmarks\.md:json", "run"),
     Rule(r"dsp_plugin\.bench\.switch --reps 30 --compare-with", "run",
          subs=((r"--reps 30 --compare-with OLD_COMM\.py", "--nproc 2 --mib 1 --reps 2 --compare-with "
-                "dsp_plugin/comm.py"), (r"^python", sys.executable)), expect="old switch"),
+                "dsp_plugin/comm/primitives.py"), (r"^python", sys.executable)), expect="old switch"),
     Rule(r"python -m dsp_plugin\.bench\.switch$", "check", "the same module runs on the line above "
          "(docs/benchmarks.md)"),
     Rule(r"dsp_plugin\.bench\.memory", "run", subs=(("$", " --nproc 2 --frames 2 --size 8"),

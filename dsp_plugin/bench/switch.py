@@ -2,7 +2,7 @@
 
     python -m dsp_plugin.bench.switch                      # N = 2 and 4, shards of 4 and 8 MiB
     python -m dsp_plugin.bench.switch --nproc 2 --mib 8 --reps 30
-    python -m dsp_plugin.bench.switch --compare-with old_comm.py   # also time another comm.py (before/after)
+    python -m dsp_plugin.bench.switch --compare-with old_comm.py   # also time another dynamic_switch (before/after)
 
 Per N and shard size, the median over ``--reps`` interleaved repetitions of:
 
@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="group sizes (default 2 4)")
     parser.add_argument("--mib", type=int, nargs="+", default=[4, 8], help="shard MiB per rank (default 4 8)")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per case (default 20)")
-    parser.add_argument("--compare-with", default=None, help="another comm.py to time beside this one")
+    parser.add_argument("--compare-with", default=None, help="a module defining dynamic_switch to time beside this one "
+                        "(a former dsp_plugin/comm.py, or dsp_plugin/comm/primitives.py)")
     args = parser.parse_args(argv)
     rows = []
     for n in args.nproc:
