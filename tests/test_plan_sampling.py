@@ -42,7 +42,7 @@ def _loop(model: torch.nn.Module, latents: torch.Tensor, text: torch.Tensor, **i
 def _worker(rank: int, n: int) -> dict[str, float]:
     import dsp_plugin
     from dsp_plugin.accounting import CommAccounting
-    from dsp_plugin.adapters.tiny import tiny_wan
+    from dsp_plugin.testing.tiny import tiny_wan
     from dsp_plugin.comm import gather, split
 
     reference = tiny_wan(layers=LAYERS)

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from dsp_plugin import runtime
 from dsp_plugin.accounting import CommAccounting
-from dsp_plugin.adapters.pipeline import parallelize_latte_pipeline, sampling_groups
-from dsp_plugin.adapters.tiny import tiny_latte_pipeline, tiny_prompt_embeds
+from dsp_plugin.pipelines import parallelize_latte_pipeline, sampling_groups
+from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds
 from dsp_plugin.topology import set_topology
 
 
