@@ -230,7 +230,7 @@ _LAUNCHED = {"run_megatron.sh": "dsp_plugin.launch.pretrain_stdit",
              "run_deepspeed.sh": "dsp_plugin.launch.train_deepspeed",
              **{f"dsp_plugin.launch.{n}": f"dsp_plugin.launch.{n}"
                 for n in ("train_deepspeed", "sample_latte", "train_dsp", "pretrain_stdit")}}
-_ENV_READERS = {"DSP_CHECK": "dsp_plugin/checks.py", "DSP_BACKEND": "dsp_plugin/runtime.py"}
+_ENV_READERS = {"DSP_CHECK": "dsp_plugin/checks.py", "DSP_BACKEND": "dsp_plugin/backend.py"}
 
 
 def check_line(item: Item) -> None:

@@ -18,7 +18,7 @@ Per N and shard size, the median over ``--reps`` interleaved repetitions of:
 
 On a CPU machine these are gloo numbers: they show copies and overheads relative to the
 bare collective on the same machine in the same run, not GPU speed. With CUDA present the
-ranks run on NCCL, one GPU each (``dsp_plugin.runtime``; ``DSP_BACKEND=gloo`` forces the
+ranks run on NCCL, one GPU each (``dsp_plugin.backend``; ``DSP_BACKEND=gloo`` forces the
 CPU). Timing is printed, never asserted.
 """
 
@@ -53,7 +53,7 @@ def _worker(rank: int, n: int, mib: int, reps: int, compare_path: str | None) ->
     from dsp_plugin import checks
     from dsp_plugin.baselines.comm import bare_all_to_all
     from dsp_plugin.comm import dynamic_switch, switch_apply
-    from dsp_plugin.runtime import current_device, synchronize
+    from dsp_plugin.backend import current_device, synchronize
     from dsp_plugin.topology import Topology, set_topology
 
     set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)

@@ -29,12 +29,12 @@ __all__ = ["main", "measure"]
 def _worker(rank: int, n: int, frames: int, steps: int, size: int, layers: int) -> dict[str, Any]:
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.adapters.latte import LatteDSP
+    from dsp_plugin.backend import current_device, synchronize
     from dsp_plugin.pipelines.frame_sharded import sampling_groups
     from dsp_plugin.pipelines.latte_sampler import parallelize_latte_pipeline
     from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds
-    from dsp_plugin.runtime import current_device, synchronize
 
-    device = current_device()                  # the GPU of this rank under NCCL (dsp_plugin.runtime)
+    device = current_device()                  # the GPU of this rank under NCCL (dsp_plugin.backend)
     pipe = tiny_latte_pipeline(frames=frames, layers=layers, sample_size=size // 2).to(device)
     pipe.set_progress_bar_config(disable=True)
     dsp_group, _ = sampling_groups(cfg_parallel=False)
@@ -124,7 +124,7 @@ def h100_prediction(worlds: tuple[int, ...] = (1, 2, 4, 8)) -> list[tuple[int, f
 
 
 def _where() -> str:
-    from dsp_plugin.runtime import choose
+    from dsp_plugin.backend import choose
 
     rt = choose()
     return "NCCL, one GPU per rank" if rt.backend == "nccl" else "CPU gloo, 1 thread per rank"
