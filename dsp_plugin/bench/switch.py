@@ -51,9 +51,9 @@ def _load(path: str | None) -> Any:
 
 def _worker(rank: int, n: int, mib: int, reps: int, compare_path: str | None) -> dict[str, float]:
     from dsp_plugin import checks
+    from dsp_plugin.backend import current_device, synchronize
     from dsp_plugin.baselines.comm import bare_all_to_all
     from dsp_plugin.comm import dynamic_switch, switch_apply
-    from dsp_plugin.backend import current_device, synchronize
     from dsp_plugin.topology import Topology, set_topology
 
     set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)
