@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dsp_plugin.comm import dynamic_switch, gather, reduce_gradients, split
 from dsp_plugin.data import dsp_dataloader
-from dsp_plugin.heads import from_heads, to_heads
+from dsp_plugin.head_switch import from_heads, to_heads
 from dsp_plugin.plan import parallelize
 from dsp_plugin.topology import Topology, get_topology, set_topology
 

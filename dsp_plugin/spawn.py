@@ -49,8 +49,8 @@ def _rank_main(fn: Callable[..., Any] | str, rank: int, world_size: int, init_fi
         if isinstance(fn, str):  # "module:function", imported in the ranks only
             module, _, name = fn.partition(":")
             fn = getattr(importlib.import_module(module), name)
-        if backend == "auto":  # NCCL and GPU ``rank`` when CUDA is present (dsp_plugin.runtime)
-            from dsp_plugin.runtime import choose
+        if backend == "auto":  # NCCL and GPU ``rank`` when CUDA is present (dsp_plugin.backend)
+            from dsp_plugin.backend import choose
 
             chosen = choose(local_rank=rank)
             if chosen.device.type == "cuda":
@@ -91,7 +91,7 @@ def spawn(fn: Callable[..., Any] | str, world_size: int, *args: Any, timeout: fl
     arguments and return value must pickle. ``final_barrier=False`` is for runs
     that leave a rank stuck in a collective on purpose: the others must leave at
     once so the stuck one sees its peers gone. ``backend="auto"`` lets
-    ``dsp_plugin.runtime.choose`` pick NCCL and GPU ``rank`` when CUDA is present
+    ``dsp_plugin.backend.choose`` pick NCCL and GPU ``rank`` when CUDA is present
     (the benches); the tests keep gloo.
     """
     ctx = mp.get_context("spawn")

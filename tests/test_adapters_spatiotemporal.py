@@ -21,8 +21,8 @@ pytest.importorskip("diffusers")
 from dsp_plugin import reduce_gradients  # noqa: E402
 from dsp_plugin.accounting import CommAccounting  # noqa: E402
 from dsp_plugin.adapters.spatiotemporal import SpatioTemporalDSP  # noqa: E402
-from dsp_plugin.adapters.tiny import tiny_spatiotemporal  # noqa: E402
 from dsp_plugin.checks import check_mode  # noqa: E402
+from dsp_plugin.testing.tiny import tiny_spatiotemporal  # noqa: E402
 from tests.distributed import assert_no_steady_state_checks, run_distributed  # noqa: E402
 
 B, F, C, H, W, LAYERS = 2, 7, 32, 4, 4, 2

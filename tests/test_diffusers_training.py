@@ -48,13 +48,13 @@ Run = dict[str, Any]        # one job on one rank: kind, dsp, losses, params, se
 
 
 def _tiny_wan() -> torch.nn.Module:
-    from dsp_plugin.adapters.tiny import tiny_wan
+    from dsp_plugin.testing.tiny import tiny_wan
 
     return tiny_wan(layers=1)          # 3 heads: fewer than 4 ranks
 
 
 def _tiny_latte() -> torch.nn.Module:
-    from dsp_plugin.adapters.tiny import tiny_latte
+    from dsp_plugin.testing.tiny import tiny_latte
 
     return tiny_latte(layers=1)
 

@@ -159,7 +159,7 @@ RULES: list[Rule] = [
     Rule(r"docs/(models|inference)\.md:python", "covered",
          tests=("tests/test_adapters_docs.py::test_python_blocks_run",)),
     Rule(r"pytest -s tests/test_sampling_latte\.py", "covered", tests=("tests/test_sampling_latte.py",)),
-    Rule(r"python -m dsp_plugin\.adapters\.latency", "covered",
+    Rule(r"python -m dsp_plugin\.pipelines\.latency", "covered",
          tests=("tests/test_docs_commands.py::test_latency_command_writes_its_table_and_plot",)),
     # ---- benches ---------------------------------------------------------------------------------------------
     Rule(r"bench --scale-only --calibration measured\.json", "run", subs=(("measured.json", "{calibration}"),
@@ -175,7 +175,7 @@ RULES: list[Rule] = [
     Rule(r"docs/benchmarks\.md:json", "run"),
     Rule(r"dsp_plugin\.bench\.switch --reps 30 --compare-with", "run",
          subs=((r"--reps 30 --compare-with OLD_COMM\.py", "--nproc 2 --mib 1 --reps 2 --compare-with "
-                "dsp_plugin/comm.py"), (r"^python", sys.executable)), expect="old switch"),
+                "dsp_plugin/comm/primitives.py"), (r"^python", sys.executable)), expect="old switch"),
     Rule(r"python -m dsp_plugin\.bench\.switch$", "check", "the same module runs on the line above "
          "(docs/benchmarks.md)"),
     Rule(r"dsp_plugin\.bench\.memory", "run", subs=(("$", " --nproc 2 --frames 2 --size 8"),
@@ -230,7 +230,7 @@ _LAUNCHED = {"run_megatron.sh": "dsp_plugin.launch.pretrain_stdit",
              "run_deepspeed.sh": "dsp_plugin.launch.train_deepspeed",
              **{f"dsp_plugin.launch.{n}": f"dsp_plugin.launch.{n}"
                 for n in ("train_deepspeed", "sample_latte", "train_dsp", "pretrain_stdit")}}
-_ENV_READERS = {"DSP_CHECK": "dsp_plugin/checks.py", "DSP_BACKEND": "dsp_plugin/runtime.py"}
+_ENV_READERS = {"DSP_CHECK": "dsp_plugin/checks.py", "DSP_BACKEND": "dsp_plugin/backend.py"}
 
 
 def check_line(item: Item) -> None:

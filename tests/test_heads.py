@@ -1,4 +1,4 @@
-"""The head switch (dsp_plugin.heads) against a single-process reference.
+"""The head switch (dsp_plugin.head_switch) against a single-process reference.
 
 Data movement is checked bit-exact against the full tensors every worker
 builds from a seed (``narrow`` / ``index_select`` of the full q, k, v), with
@@ -19,7 +19,7 @@ from torch import nn
 from dsp_plugin import from_heads, gather, reduce_gradients, split, to_heads
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.checks import CrossRankMismatch, forget_signatures
-from dsp_plugin.heads import head_ranges, kv_elements_sent
+from dsp_plugin.head_switch import head_ranges, kv_elements_sent
 from dsp_plugin.layout import attach, shard_spec
 from tests.distributed import run_distributed
 

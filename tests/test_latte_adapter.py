@@ -18,8 +18,8 @@ pytest.importorskip("diffusers")
 from dsp_plugin import reduce_gradients  # noqa: E402
 from dsp_plugin.accounting import CommAccounting  # noqa: E402
 from dsp_plugin.adapters.latte import LatteDSP  # noqa: E402
-from dsp_plugin.adapters.tiny import tiny_latte  # noqa: E402
 from dsp_plugin.checks import check_mode  # noqa: E402
+from dsp_plugin.testing.tiny import tiny_latte  # noqa: E402
 from tests.distributed import assert_no_steady_state_checks, run_distributed  # noqa: E402
 
 LAYERS = 2

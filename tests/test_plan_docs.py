@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from dsp_plugin import reduce_gradients
 from dsp_plugin.accounting import CommAccounting
-from dsp_plugin.plan.examples import DividedSpaceTime, VideoViT
+from dsp_plugin.testing.examples import DividedSpaceTime, VideoViT
 from tests.distributed import run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """Joint attention: text tokens replicated on every rank, through the head switch (``Heads(joint=...)``).
 
-Oracle: the unmodified ``JointDiT`` (``dsp_plugin.plan.examples``) on one process, in fp64, on the same
+Oracle: the unmodified ``JointDiT`` (``dsp_plugin.testing.examples``) on one process, in fp64, on the same
 weights and batch: 3 heads, 5 frames x 9 patches (uneven frames on 2 and 4 ranks; on 4 one rank holds no
 head), 7 text tokens before the video tokens (CogVideoX) or after them (SD3). docs/models.md's plan runs as
 printed. Output, the video and the text input gradients and every parameter gradient summed over the group
@@ -21,9 +21,9 @@ import torch.distributed as dist
 from dsp_plugin import comm, reduce_gradients
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.checks import check_mode
-from dsp_plugin.heads import head_ranges
+from dsp_plugin.head_switch import head_ranges
 from dsp_plugin.plan import Block, Heads, Split
-from dsp_plugin.plan.examples import Attention, JointDiT
+from dsp_plugin.testing.examples import Attention, JointDiT
 from tests.distributed import assert_no_steady_state_checks, run_distributed
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -20,7 +20,7 @@ pytest.importorskip("diffusers")
 import dsp_plugin  # noqa: E402
 from dsp_plugin import reduce_gradients  # noqa: E402
 from dsp_plugin.accounting import CommAccounting  # noqa: E402
-from dsp_plugin.adapters.tiny import tiny_latte, tiny_wan  # noqa: E402
+from dsp_plugin.testing.tiny import tiny_latte, tiny_wan  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 LAYERS = 2

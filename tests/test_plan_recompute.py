@@ -29,7 +29,7 @@ from dsp_plugin import reduce_gradients  # noqa: E402
 from dsp_plugin.accounting import CommAccounting  # noqa: E402
 from dsp_plugin import dynamic_switch, gather, split  # noqa: E402
 from dsp_plugin.plan import Block, Gather, Grid, Heads, Split, recompute  # noqa: E402
-from dsp_plugin.plan.examples import DividedSpaceTime, VideoViT  # noqa: E402
+from dsp_plugin.testing.examples import DividedSpaceTime, VideoViT  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.test_plan_models import TOLERANCE, _batch, _build, _run  # noqa: E402
 

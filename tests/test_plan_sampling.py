@@ -42,8 +42,8 @@ def _loop(model: torch.nn.Module, latents: torch.Tensor, text: torch.Tensor, **i
 def _worker(rank: int, n: int) -> dict[str, float]:
     import dsp_plugin
     from dsp_plugin.accounting import CommAccounting
-    from dsp_plugin.adapters.tiny import tiny_wan
     from dsp_plugin.comm import gather, split
+    from dsp_plugin.testing.tiny import tiny_wan
 
     reference = tiny_wan(layers=LAYERS)
     g = torch.Generator().manual_seed(2)

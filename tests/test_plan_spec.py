@@ -7,8 +7,8 @@ import torch
 
 import dsp_plugin
 from dsp_plugin.plan import Block, Gather, Grid, Heads, Layout, Split
-from dsp_plugin.plan.examples import DividedSpaceTime, VideoViT
 from dsp_plugin.plan.runtime import expand
+from dsp_plugin.testing.examples import DividedSpaceTime, VideoViT
 
 
 def test_layout_parse() -> None:

@@ -1,4 +1,4 @@
-"""dsp_plugin.runtime picks the backend and device for every launch and bench: the choice, on CPU.
+"""dsp_plugin.backend picks the backend and device for every launch and bench: the choice, on CPU.
 
 CUDA's presence is injected (``cuda_available``, ``device_count``), not mocked; the gloo path
 then initializes a real process group through ``init_distributed``.
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsp_plugin import runtime
-from dsp_plugin.runtime import Runtime, choose
+from dsp_plugin import backend as runtime
+from dsp_plugin.backend import Runtime, choose
 
 
 def test_cuda_present_gives_nccl_on_the_local_gpu():

@@ -14,8 +14,8 @@ import torch
 pytest.importorskip("diffusers")
 
 from dsp_plugin.accounting import CommAccounting  # noqa: E402
-from dsp_plugin.adapters.pipeline import parallelize_latte_pipeline, sampling_groups  # noqa: E402
-from dsp_plugin.adapters.tiny import tiny_latte_pipeline, tiny_prompt_embeds  # noqa: E402
+from dsp_plugin.pipelines import parallelize_latte_pipeline, sampling_groups  # noqa: E402
+from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 FRAMES, STEPS, LAYERS = 7, 3, 2

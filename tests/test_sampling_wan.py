@@ -17,9 +17,8 @@ import torch
 pytest.importorskip("diffusers")
 
 from dsp_plugin.accounting import CommAccounting  # noqa: E402
-from dsp_plugin.adapters.pipeline import sampling_groups  # noqa: E402
-from dsp_plugin.adapters.pipeline_wan import parallelize_wan_pipeline  # noqa: E402
-from dsp_plugin.adapters.tiny import tiny_wan_pipeline  # noqa: E402
+from dsp_plugin.pipelines import parallelize_wan_pipeline, sampling_groups  # noqa: E402
+from dsp_plugin.testing.tiny import tiny_wan_pipeline  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 STEPS, LAYERS, FRAMES, LATENT_FRAMES = 2, 2, 9, 5

@@ -1,8 +1,10 @@
 """Adapters: DSP for models this project did not write (diffusers' Latte, SVD's spatio-temporal transformer).
 
 ``LatteDSP`` and ``SpatioTemporalDSP`` wrap the models' built-in plans
-(``dsp_plugin.plan.builtin``, hooks); ``LatteDSP.forward_shard`` and the Latte
-pipeline keep latents sharded across a sampling loop. ``Sharded`` is for a
+(``dsp_plugin.plan.builtin``, hooks); ``LatteDSP.forward_shard`` keeps latents
+sharded across a sampling loop (the samplers are in ``dsp_plugin.pipelines``;
+``parallelize_latte_pipeline``, ``parallelize_wan_pipeline`` and ``sampling_groups``
+stay importable from here as aliases). ``Sharded`` is for a
 forward written by hand where hooks cannot reach a model: a view in the plan
 vocabulary (split at entry, a switch before each block that needs one,
 fold/unfold with local lengths between blocks, gather at exit). The model file
@@ -28,12 +30,8 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy, so `import dsp_plugin.adapte
         from dsp_plugin.adapters.spatiotemporal import SpatioTemporalDSP
 
         return SpatioTemporalDSP
-    if name in ("parallelize_latte_pipeline", "sampling_groups"):
-        from dsp_plugin.adapters import pipeline
+    if name in ("parallelize_latte_pipeline", "parallelize_wan_pipeline", "sampling_groups"):
+        from dsp_plugin import pipelines  # moved there; aliases kept
 
-        return getattr(pipeline, name)
-    if name == "parallelize_wan_pipeline":
-        from dsp_plugin.adapters.pipeline_wan import parallelize_wan_pipeline
-
-        return parallelize_wan_pipeline
+        return getattr(pipelines, name)
     raise AttributeError(f"module 'dsp_plugin.adapters' has no attribute {name!r}")

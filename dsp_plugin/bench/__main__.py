@@ -9,7 +9,7 @@
     python -m dsp_plugin.bench.mixed            # only the mixed-model table (factorized + full blocks)
 
 The ranks run on NCCL, one GPU each, when CUDA is present, else on gloo and the CPU
-(``dsp_plugin.runtime``; ``DSP_BACKEND=gloo`` forces the CPU).
+(``dsp_plugin.backend``; ``DSP_BACKEND=gloo`` forces the CPU).
 
 Writes ``bench_n{N}.json``, ``bench_n{N}.md``, ``bench_n{N}.png`` and
 ``scale_model.png`` under ``--out`` (default ``bench_out/``), then the full-3D
@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsp_plugin.backend import choose
 from dsp_plugin.bench import calibration, report, scale_markdown, scale_report
-from dsp_plugin.runtime import choose
 from dsp_plugin.spawn import spawn
 from dsp_plugin.bench.config import FULL, METHODS, QUICK
 

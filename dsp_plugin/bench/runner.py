@@ -39,8 +39,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.backend import current_device, synchronize
 from dsp_plugin.bench.config import BenchConfig
-from dsp_plugin.runtime import current_device, synchronize
 
 _START = time.perf_counter()
 
@@ -76,7 +76,7 @@ def build_model(cfg: BenchConfig) -> nn.Module:
     torch.manual_seed(0)
     # adaLN + cross-attention to text: the block the paper's harness trained (OpenSora's STDiT)
     model = STDiT(STDiTConfig(depth=cfg.depth, hidden_size=cfg.hidden, num_heads=cfg.heads, text_dim=cfg.text_dim))
-    return model.to(current_device())     # this rank's GPU under NCCL (dsp_plugin.runtime), else the CPU
+    return model.to(current_device())     # this rank's GPU under NCCL (dsp_plugin.backend), else the CPU
 
 
 class _Checkpointed(nn.Module):

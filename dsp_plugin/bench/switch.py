@@ -2,7 +2,7 @@
 
     python -m dsp_plugin.bench.switch                      # N = 2 and 4, shards of 4 and 8 MiB
     python -m dsp_plugin.bench.switch --nproc 2 --mib 8 --reps 30
-    python -m dsp_plugin.bench.switch --compare-with old_comm.py   # also time another comm.py (before/after)
+    python -m dsp_plugin.bench.switch --compare-with old_comm.py   # also time another dynamic_switch (before/after)
 
 Per N and shard size, the median over ``--reps`` interleaved repetitions of:
 
@@ -18,7 +18,7 @@ Per N and shard size, the median over ``--reps`` interleaved repetitions of:
 
 On a CPU machine these are gloo numbers: they show copies and overheads relative to the
 bare collective on the same machine in the same run, not GPU speed. With CUDA present the
-ranks run on NCCL, one GPU each (``dsp_plugin.runtime``; ``DSP_BACKEND=gloo`` forces the
+ranks run on NCCL, one GPU each (``dsp_plugin.backend``; ``DSP_BACKEND=gloo`` forces the
 CPU). Timing is printed, never asserted.
 """
 
@@ -51,9 +51,9 @@ def _load(path: str | None) -> Any:
 
 def _worker(rank: int, n: int, mib: int, reps: int, compare_path: str | None) -> dict[str, float]:
     from dsp_plugin import checks
+    from dsp_plugin.backend import current_device, synchronize
     from dsp_plugin.baselines.comm import bare_all_to_all
     from dsp_plugin.comm import dynamic_switch, switch_apply
-    from dsp_plugin.runtime import current_device, synchronize
     from dsp_plugin.topology import Topology, set_topology
 
     set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)
@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--nproc", type=int, nargs="+", default=[2, 4], help="group sizes (default 2 4)")
     parser.add_argument("--mib", type=int, nargs="+", default=[4, 8], help="shard MiB per rank (default 4 8)")
     parser.add_argument("--reps", type=int, default=20, help="timed repetitions per case (default 20)")
-    parser.add_argument("--compare-with", default=None, help="another comm.py to time beside this one")
+    parser.add_argument("--compare-with", default=None, help="a module defining dynamic_switch to time beside this one "
+                        "(a former dsp_plugin/comm.py, or dsp_plugin/comm/primitives.py)")
     args = parser.parse_args(argv)
     rows = []
     for n in args.nproc:

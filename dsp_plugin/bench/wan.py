@@ -47,7 +47,7 @@ ROUNDS = 20  # timed rounds by default
 
 
 def _setup(size: tuple[int, ...]) -> tuple[Any, tuple[torch.Tensor, ...]]:
-    from dsp_plugin.adapters.tiny import tiny_wan
+    from dsp_plugin.testing.tiny import tiny_wan
 
     layers, heads, head_dim, frames, hw = size
     model = tiny_wan(layers=layers, heads=heads, head_dim=head_dim)

@@ -9,7 +9,7 @@ communicated (``CommAccounting``), and writes the frames to ``--out`` on rank 0
 (``torch.save`` of a ``[B, T, 3, H, W]`` float tensor). ``--save-pretrained DIR``
 writes the pipeline first (to make a checkpoint for ``--pretrained``).
 Without torchrun it runs on one process. NCCL and one GPU per process when CUDA is
-present, gloo on the CPU otherwise (``dsp_plugin.runtime``; ``DSP_BACKEND=gloo``
+present, gloo on the CPU otherwise (``dsp_plugin.backend``; ``DSP_BACKEND=gloo``
 forces the CPU).
 """
 
@@ -23,10 +23,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from dsp_plugin import runtime
+from dsp_plugin import backend as runtime
 from dsp_plugin.accounting import CommAccounting
-from dsp_plugin.adapters.pipeline import parallelize_latte_pipeline, sampling_groups
-from dsp_plugin.adapters.tiny import tiny_latte_pipeline, tiny_prompt_embeds
+from dsp_plugin.pipelines import parallelize_latte_pipeline, sampling_groups
+from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds
 from dsp_plugin.topology import set_topology
 
 

@@ -9,7 +9,7 @@ the formula 2M(N-1)/N^2. Run on one process (no torchrun) it is the reference;
 ``--compare`` prints both loss curves side by side.
 
 Under torchrun it runs on NCCL and one GPU per process when CUDA is present,
-gloo on the CPU otherwise (``dsp_plugin.runtime``; ``DSP_BACKEND=gloo`` forces the CPU).
+gloo on the CPU otherwise (``dsp_plugin.backend``; ``DSP_BACKEND=gloo`` forces the CPU).
 
 Knobs: ``--dsp`` (default: the whole world, DP = world / DSP), ``--frames``,
 ``--height``, ``--width``, ``--batch-size`` (per DP rank), ``--steps``, ``--lr``, ``--seed``,
@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from dsp_plugin import Topology, dsp_dataloader, reduce_gradients, runtime, set_topology
+from dsp_plugin import Topology, dsp_dataloader, reduce_gradients, set_topology
+from dsp_plugin import backend as runtime
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean

@@ -268,7 +268,7 @@ class DSPSpatialTemporalLayer(TransformerLayer):
             raise ValueError(f"{name}: context_mask must be a bool [B, 1, 1, L_text] = [{batch}, 1, 1, {length}] "
                              f"key-padding mask (True: padding), got {context_mask.dtype} "
                              f"{tuple(context_mask.shape)}")
-        from dsp_plugin.megatron.layers import SDPACoreAttention
+        from dsp_plugin.megatron.core_attention import SDPACoreAttention
 
         if not isinstance(self.cross_attention.core_attention, SDPACoreAttention):
             raise ValueError(f"{name}: caption masks (context_mask) are implemented for --transformer-impl local "

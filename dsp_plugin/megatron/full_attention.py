@@ -5,7 +5,7 @@ A ``"full"`` entry of ``dsp_attend_pattern`` makes a layer attend over all
 mix factorized (spatial / temporal) and full-attention layers. Such a layer
 attends along no sequence dim, so it keeps the shard it receives (no
 ``dynamic_switch``); inside its self-attention, q, k and v switch from the
-sequence shard to a head shard and back (``dsp_plugin.heads``). Shapes
+sequence shard to a head shard and back (``dsp_plugin.head_switch``). Shapes
 (``N`` DSP ranks, ``h`` heads per TP rank, ``h_r`` this rank's share of them)::
 
     layer in     [T_x * S_x, B, D]   sharded on T or S, as the previous layer left it
@@ -46,7 +46,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
-from dsp_plugin.heads import from_heads, to_heads
+from dsp_plugin.head_switch import from_heads, to_heads
 from dsp_plugin.megatron.config import (
     ATTEND,
     FRAME_DIM,

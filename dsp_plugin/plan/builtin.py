@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from dsp_plugin.plan.frames import OnShard
+from dsp_plugin.plan.schedule import switch_schedule
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
 __all__ = ["COGVIDEOX_PLAN", "LATTE_PLAN", "SVD_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan"]
@@ -79,8 +80,6 @@ def stdit_plan(model: Any) -> dict[str, Any]:
     """The reference STDiT: latents split on frames before the (per-frame) embedder, blocks on
     ``[B, T, S, D]`` (or ``[B, T, H, W, D]``) switching only before a block that attends the sharded axis,
     to the axis whose next use is furthest (``switch_schedule``, compiled once); gather before unpatchify."""
-    from dsp_plugin.models.plan import switch_schedule
-
     axes = ("T", "S") if model.config.axes == 2 else ("T", "H", "W")
     lay = "B " + " ".join(axes) + " D"
     attend = [block.attend_dim for block in model.blocks]

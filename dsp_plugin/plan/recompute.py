@@ -5,7 +5,7 @@ diffusers checkpoints a block with ``torch.utils.checkpoint.checkpoint(block.__c
 backward's recompute would run the region's switches and head switches a second
 time (Wan: 4 all-to-alls in backward become 8). :func:`replay` wraps each such
 collective at its call site (``ops.plan_switch``, ``ops.plan_gather``, the head
-switch in ``plan.heads``):
+switch in ``plan.attention``):
 
 - forward, inside a region whose saved tensors are packed by hooks (a checkpoint):
   run the collective and keep its output (what torch's selective checkpointing,

@@ -11,7 +11,7 @@ One forward of a parallelized model:
   model's own reshapes dropped it, from the frame), switches only if it attends
   the sharded axis, splits its per-row conditioning with the activation, and
   switches its output when the model's reshapes after it need another placement;
-- a ``Heads`` module attends through the head switch (``dsp_plugin.plan.heads``);
+- a ``Heads`` module attends through the head switch (``dsp_plugin.plan.attention``);
 - ``Gather`` hooks all-gather, and the model's replicated outputs get 1/N of the
   gradient (``dsp_plugin.plan.ops``), so every parameter's gradient summed over the
   group is the one-process gradient (the project's convention).
@@ -37,6 +37,7 @@ from dsp_plugin.plan.args import Args as _Args
 from dsp_plugin.plan.args import expand, map_tensors as _map_tensors
 from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
 from dsp_plugin.plan.placement import complete as _complete, is_full as _is_full, split_rows as _split_rows
+from dsp_plugin.plan.attention import enter_heads, exit_heads
 from dsp_plugin.plan.frames import Frame, OnShard, current_block, current_io, frames, sharded_io
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
@@ -100,8 +101,6 @@ class _Runtime:
                 elif isinstance(spec, Block):
                     self.block_pre(path, a, spec)
                 elif isinstance(spec, Heads):
-                    from dsp_plugin.plan.heads import enter_heads
-
                     enter_heads(path, self.group, spec.joint)
                 elif isinstance(spec, Gather) and spec.arg != "out":
                     a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
@@ -121,8 +120,6 @@ class _Runtime:
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
             for spec in reversed(specs):
                 if isinstance(spec, Heads):
-                    from dsp_plugin.plan.heads import exit_heads
-
                     exit_heads()
                 elif isinstance(spec, Block):
                     output = self.block_post(path, spec, output)

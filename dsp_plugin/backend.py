@@ -5,8 +5,8 @@ and Slurm's ``srun`` wrappers set it) when CUDA is present; gloo and the CPU oth
 ``DSP_BACKEND=gloo`` keeps a CUDA machine on the CPU (the CI path); ``DSP_BACKEND=nccl``
 insists on GPUs and fails with the reason when there are none.
 
-    from dsp_plugin import runtime
-    rt = runtime.init_distributed()          # under torchrun: init_process_group(rt.backend), set the GPU
+    from dsp_plugin import backend
+    rt = backend.init_distributed()          # under torchrun: init_process_group(rt.backend), set the GPU
     model.to(rt.device)
 
 ``choose`` takes the availability as arguments, so the choice is tested on a CPU machine.

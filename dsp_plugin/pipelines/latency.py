@@ -1,6 +1,6 @@
 """Latency table for DSP sampling of the tiny LattePipeline: 1, 2, 4 CPU processes (a command, not a test).
 
-    python -m dsp_plugin.adapters.latency --md docs/inference_latency.md --png docs/inference_latency.png
+    python -m dsp_plugin.pipelines.latency --md docs/inference_latency.md --png docs/inference_latency.png
 
 Per denoising step and per rank it reports the measured median latency and the
 bytes sent (``CommAccounting``) for DSP with the latents sharded across the
@@ -29,11 +29,12 @@ __all__ = ["main", "measure"]
 def _worker(rank: int, n: int, frames: int, steps: int, size: int, layers: int) -> dict[str, Any]:
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.adapters.latte import LatteDSP
-    from dsp_plugin.adapters.pipeline import parallelize_latte_pipeline, sampling_groups
-    from dsp_plugin.adapters.tiny import tiny_latte_pipeline, tiny_prompt_embeds
-    from dsp_plugin.runtime import current_device, synchronize
+    from dsp_plugin.backend import current_device, synchronize
+    from dsp_plugin.pipelines.frame_sharded import sampling_groups
+    from dsp_plugin.pipelines.latte_sampler import parallelize_latte_pipeline
+    from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds
 
-    device = current_device()                  # the GPU of this rank under NCCL (dsp_plugin.runtime)
+    device = current_device()                  # the GPU of this rank under NCCL (dsp_plugin.backend)
     pipe = tiny_latte_pipeline(frames=frames, layers=layers, sample_size=size // 2).to(device)
     pipe.set_progress_bar_config(disable=True)
     dsp_group, _ = sampling_groups(cfg_parallel=False)
@@ -91,7 +92,7 @@ def measure(*, frames: int, steps: int, size: int, layers: int, worlds: tuple[in
     for i, n in enumerate(worlds):
         print(f"[latency {time.perf_counter() - start:6.1f}s] {i + 1}/{len(worlds)}: {n} process(es), "
               f"warm-up + {steps} steps", file=sys.stderr, flush=True)
-        results = spawn("dsp_plugin.adapters.latency:_worker", n, frames, steps, size, layers, timeout=900,
+        results = spawn("dsp_plugin.pipelines.latency:_worker", n, frames, steps, size, layers, timeout=900,
                         collective_timeout_s=300, backend="auto")
         shape = {"batch": 2, "frames": frames, "tokens": tokens, "hidden": hidden, "layers": layers, "n": n}
         rows.append({"n": n, "step_ms": max(r["step_ms"] for r in results),
@@ -123,7 +124,7 @@ def h100_prediction(worlds: tuple[int, ...] = (1, 2, 4, 8)) -> list[tuple[int, f
 
 
 def _where() -> str:
-    from dsp_plugin.runtime import choose
+    from dsp_plugin.backend import choose
 
     rt = choose()
     return "NCCL, one GPU per rank" if rt.backend == "nccl" else "CPU gloo, 1 thread per rank"

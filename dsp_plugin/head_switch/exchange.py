@@ -60,8 +60,9 @@ from typing import Any
 
 import torch
 
-from dsp_plugin import comm, layout
-from dsp_plugin.head_args import check_qkv, check_replicated
+from dsp_plugin import layout
+from dsp_plugin.comm import agree, collectives, group_resolution
+from dsp_plugin.head_switch.arg_checks import check_qkv, check_replicated
 from dsp_plugin.packing import chunk_sizes, offsets
 
 __all__ = ["from_heads", "head_ranges", "kv_elements_sent", "kv_head_ranges", "to_heads"]
@@ -140,7 +141,7 @@ def _exchange_blocks(blocks: list[list[torch.Tensor]], recv_shapes: list[list[li
     for block in flat:
         send[start:start + block.numel()].view(block.shape).copy_(block)
         start += block.numel()
-    recv = comm._all_to_all_flat(send, [sum(block.numel() for block in row) for row in blocks],
+    recv = collectives._all_to_all_flat(send, [sum(block.numel() for block in row) for row in blocks],
                                  [sum(math.prod(shape) for shape in row) for row in recv_shapes], ex.group)
     received, start = [], 0
     for row in recv_shapes:
@@ -242,7 +243,7 @@ def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int
               global_len: int | None, replicated: tuple[torch.Tensor, ...] | None,
               error: Exception | None = None) -> tuple[torch.Tensor, ...]:
     """``to_heads``; ``error``: the caller's own argument error, raised on every rank after the check."""
-    group, n, rank = comm._member("to_heads", group)
+    group, n, rank = group_resolution._member("to_heads", group)
     seq, head, kv_heads, known, count = -1, -1, 0, None, -1
     try:
         if error is not None:
@@ -251,7 +252,7 @@ def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int
         if replicated is not None:
             replicated = check_replicated("to_heads", replicated, (q, k, v), seq, head)
             count = replicated[0].shape[seq]
-        known = comm._check_global_len("to_heads", global_len)
+        known = agree._check_global_len("to_heads", global_len)
         if known is None:
             known = layout.global_len_of(q, seq)
     except (TypeError, ValueError) as exc:
@@ -263,7 +264,7 @@ def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int
     # the fingerprint covers k and v too: q's shape followed by (K/V heads, k's and v's head size)
     probe = q if error is not None else torch.empty((), dtype=q.dtype, device=q.device).expand(
         *q.shape, kv_heads, k.shape[-1], v.shape[-1])
-    full = comm._agree("to_heads", probe, cur=seq, tgt=head, known_len=known, group=group, n=n, rank=rank,
+    full = agree._agree("to_heads", probe, cur=seq, tgt=head, known_len=known, group=group, n=n, rank=rank,
                        error=error, replicated=count)
     heads = q.shape[head]
     q_ranges, kv_ranges = tuple(head_ranges(heads, n)), tuple(kv_head_ranges(heads, kv_heads, n))
@@ -300,21 +301,21 @@ def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = N
     the second with every head, the same on every rank.
     Backward: the switch to heads. A size-1 group returns its inputs.
     """
-    group, n, rank = comm._member("from_heads", group)
+    group, n, rank = group_resolution._member("from_heads", group)
     error, seq, head, known, count = None, -1, -1, None, -1
     try:
-        out = comm._check_tensor("from_heads", out)
-        seq = comm._normalize_dim("from_heads", "seq_dim", seq_dim, out.dim())
-        head = comm._normalize_dim("from_heads", "head_dim", head_dim, out.dim())
+        out = agree._check_tensor("from_heads", out)
+        seq = agree._normalize_dim("from_heads", "seq_dim", seq_dim, out.dim())
+        head = agree._normalize_dim("from_heads", "head_dim", head_dim, out.dim())
         if seq == head:
             raise ValueError(f"from_heads: seq_dim={seq_dim} and head_dim={head_dim} are both dim {seq}; "
                              f"expected two different dims")
-        length = comm._check_global_len("from_heads", global_len)
+        length = agree._check_global_len("from_heads", global_len)
         if length is not None and length != out.shape[seq]:
             raise ValueError(f"from_heads: global_len={length}, but out holds {out.shape[seq]} tokens on dim "
                              f"{seq}; expected the full sequence on every rank (as to_heads leaves it)")
         if heads is not None:
-            known = comm._as_int("from_heads", "heads", heads)
+            known = agree._as_int("from_heads", "heads", heads)
             if known < 1:
                 raise ValueError(f"from_heads: heads={heads!r}; expected the full head count, >= 1")
         if replicated is not None:
@@ -326,7 +327,7 @@ def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = N
         error = exc
     if n == 1:
         return out if replicated is None else (out, replicated)
-    total = comm._agree("from_heads", out, cur=head, tgt=seq, known_len=known, group=group, n=n, rank=rank,
+    total = agree._agree("from_heads", out, cur=head, tgt=seq, known_len=known, group=group, n=n, rank=rank,
                         error=error, replicated=count)
     ranges = tuple(head_ranges(total, n))
     if replicated is None:

@@ -1,4 +1,4 @@
-"""What a valid head-switch call is (``dsp_plugin.heads``): the argument checks made before the exchange.
+"""What a valid head-switch call is (``dsp_plugin.head_switch``): the argument checks made before the exchange.
 
 Each raises a ``TypeError`` / ``ValueError`` naming the value and what was
 expected; ``to_heads`` / ``from_heads`` carry it to every rank through the
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from dsp_plugin import comm, layout
+from dsp_plugin import layout
+from dsp_plugin.comm import agree
 
 __all__ = ["check_qkv", "check_replicated"]
 
@@ -23,8 +24,8 @@ def check_qkv(q: object, k: object, v: object, seq_dim: object, head_dim: object
     if not q.dim() == k.dim() == v.dim() or q.dim() < 2:
         raise ValueError(f"to_heads: q, k, v have {q.dim()}, {k.dim()}, {v.dim()} dims; expected the same "
                          f"number, at least 2 (a sequence dim and a head dim)")
-    seq = comm._normalize_dim("to_heads", "seq_dim", seq_dim, q.dim())
-    head = comm._normalize_dim("to_heads", "head_dim", head_dim, q.dim())
+    seq = agree._normalize_dim("to_heads", "seq_dim", seq_dim, q.dim())
+    head = agree._normalize_dim("to_heads", "head_dim", head_dim, q.dim())
     if seq == head:
         raise ValueError(f"to_heads: seq_dim={seq_dim} and head_dim={head_dim} are both dim {seq}; "
                          f"expected two different dims")

@@ -19,7 +19,7 @@ callable with ``WanPipeline.__call__``'s arguments that runs the pipeline's own
 F counts latent frames: ``(num_frames - 1) // vae_scale_factor_temporal + 1``.
 Wan 2.2's two-stage layout (``transformer_2`` and ``boundary_ratio``) has both
 transformers parallelized, each step running the one diffusers would.
-Shared checks and the CFG exchange: ``dsp_plugin.adapters.pipeline.FrameShardedSampler``.
+Shared checks and the CFG exchange: ``dsp_plugin.pipelines.frame_sharded.FrameShardedSampler``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsp_plugin.adapters.pipeline import FrameShardedSampler, guide
 from dsp_plugin.comm import group_size
+from dsp_plugin.pipelines.frame_sharded import FrameShardedSampler, guide
 from dsp_plugin.plan import sharded_io
 
 __all__ = ["DSPWanPipeline", "parallelize_wan_pipeline"]
@@ -174,6 +174,6 @@ def parallelize_wan_pipeline(pipe: Any, *, dsp_group: dist.ProcessGroup | None =
 
     The pipeline's transformer (and ``transformer_2``) get DSP hooks in place.
     ``dsp_group=None`` is the DSP group of the current topology (the whole world
-    without one). Use ``dsp_plugin.adapters.sampling_groups`` to cut the world into CFG x DSP.
+    without one). Use ``dsp_plugin.pipelines.sampling_groups`` to cut the world into CFG x DSP.
     """
     return DSPWanPipeline(pipe, dsp_group=dsp_group, cfg_group=cfg_group)

@@ -4,7 +4,7 @@ Inside a ``Heads`` module, every ``torch.nn.functional.scaled_dot_product_attent
 call (the one the model's own attention code makes, whatever its processor) is
 intercepted by a ``TorchFunctionMode`` that lives only for that module's call:
 q, k, v ``[B, H, L_local, Dh]`` sharded on the sequence become ``[B, H_local, L, Dh]``
-(``dsp_plugin.heads.to_heads``: one packed all-to-all), attention runs locally on
+(``dsp_plugin.head_switch.to_heads``: one packed all-to-all), attention runs locally on
 the full sequence, and the output goes back to the sequence shard
 (``from_heads``: one more). Attention outside ``Heads`` modules (text
 cross-attention) is untouched: local, no communication.
@@ -68,7 +68,7 @@ class _HeadSwitchMode(TorchFunctionMode):
                 raise ValueError(f"{self.where}: Heads(joint={self.joint!r}) takes no attention mask (got one of "
                                  f"shape {tuple(mask.shape)}); expected None")
             return self._joint(func, q, k, v, call)
-        from dsp_plugin.heads import from_heads, to_heads
+        from dsp_plugin.head_switch import from_heads, to_heads
 
         heads, local, full = q.shape[1], [a for a, _ in self.lengths], [b for _, b in self.lengths]
         seq, width = 2 + self.axis, len(self.lengths)
@@ -87,7 +87,7 @@ class _HeadSwitchMode(TorchFunctionMode):
 
     def _joint(self, func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: dict[str, Any]) -> Any:
         """``[B, H, R + L_local, Dh]`` (R replicated tokens first or last) through the head switch and back."""
-        from dsp_plugin.heads import _to_heads, from_heads
+        from dsp_plugin.head_switch.exchange import _to_heads, from_heads
 
         heads, local, full = q.shape[1], [a for a, _ in self.lengths], [b for _, b in self.lengths]
         seq, width, first = 2 + self.axis, len(self.lengths), self.joint == "first"
@@ -123,7 +123,7 @@ class _HeadSwitchMode(TorchFunctionMode):
 
 
 def enter_heads(where: str, group: Any, joint: str | None = None) -> None:
-    from dsp_plugin.plan.runtime import current_block
+    from dsp_plugin.plan.frames import current_block
 
     block = current_block()
     if block is None:

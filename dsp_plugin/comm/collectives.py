@@ -1,0 +1,67 @@
+"""The raw collectives: the ONLY module of the library, besides the baselines' and the DeepSpeed guard's own
+``comm.py``, that calls torch.distributed collectives (``tests/test_comm_choke_point.py`` enforces it).
+
+Every byte DSP moves goes through the few functions below; the rest of
+``dsp_plugin.comm`` packs, checks and unpacks around them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_reduce_mean", "all_reduce_sum", "all_to_all_single", "meet_and_close"]
+
+
+def _all_gather_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
+    gather_fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather_fn(out, inp, group=group)
+
+
+def all_to_all_single(recv: torch.Tensor, send: torch.Tensor, *, recv_splits: list[int] | None,
+                      send_splits: list[int] | None, group: dist.ProcessGroup | None,
+                      async_op: bool = False) -> Any:
+    """``dist.all_to_all_single`` of ``send`` into ``recv`` (split sizes in rows of dim 0; None: even);
+    returns the work handle when ``async_op``."""
+    return dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                                  group=group, async_op=async_op)
+
+
+def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> None:
+    """``tensor`` summed over ``group``, in place."""
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_reduce_mean(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Mean of ``tensor`` over ``group`` (a new tensor; for logging losses across DP ranks)."""
+    out = tensor.detach().clone()
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        out.div_(dist.get_world_size(group))
+    return out
+
+
+def meet_and_close() -> None:
+    """Every rank meets once more, then the default process group is destroyed (a launch's clean exit).
+
+    Leaving gloo's teardown to interpreter shutdown lets a rank that exits first abort its peer.
+    Call it only where every rank is known to be at the same point (never after an error).
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _all_to_all_flat(send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                     group: dist.ProcessGroup) -> torch.Tensor:
+    """One ``all_to_all_single`` of a flat buffer cut into per-rank blocks (sizes in elements, any may be 0).
+
+    Returns the flat receive buffer: rank ``i``'s block at offset ``sum(recv_splits[:i])``.
+    """
+    recv = send.new_empty(sum(recv_splits))
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
+                           group=group)
+    return recv

@@ -1,0 +1,77 @@
+"""Which group a call means, and this rank's place in it: ``group=None`` and the no-topology rule.
+
+``group=None`` is the DSP group of the installed topology (``dsp_plugin.topology``);
+without torch.distributed, or on a world of one rank, a call runs on a group of
+size 1. On more than one rank with no topology it refuses (``NoTopologyError``)
+rather than shard over a world that the framework reduces its own way.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+__all__ = ["NoTopologyError", "group_rank", "group_size", "no_topology_message"]
+
+
+class NoTopologyError(RuntimeError):
+    """``group=None`` on more than one rank with no topology installed; raised alike on every rank."""
+
+
+def no_topology_message(name: str) -> str:
+    """What ``group=None`` without a topology says (also the text ``reduce_gradients`` raises)."""
+    return (f"{name}: group=None means the DSP group of the installed topology, but none is installed and the "
+            f"world has {dist.get_world_size()} ranks; refusing to shard over the whole world (a framework that "
+            f"reduces gradients its own way would train silently wrong). Fix: after init_process_group call "
+            f"dsp_plugin.set_topology(dsp_plugin.Topology.build(dsp=N)) (Topology.world() for one DSP group of "
+            f"every rank), or pass group= explicitly. Under DeepSpeed: the config needs "
+            f"\"sequence_parallel_mode\": \"dsp\" with \"sequence_parallel_size\": N, and the engine must come "
+            f"from dsp_plugin.deepspeed.initialize (it installs the topology).")
+
+
+def _resolve_group(group: dist.ProcessGroup | None, name: str = "dsp_plugin") -> dist.ProcessGroup | None:
+    """``None`` -> the DSP group of the installed topology; an error on > 1 rank without one.
+
+    Returns None when torch.distributed is not initialised: a single process is
+    a DSP group of size 1 (so is a world of one rank).
+    """
+    if group is not None:
+        return group
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from dsp_plugin.topology import get_topology
+
+    topology = get_topology()
+    if topology is not None:
+        return topology.dsp_group
+    if dist.get_world_size() == 1:
+        return dist.group.WORLD
+    raise NoTopologyError(no_topology_message(name))
+
+
+def _group_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
+    group = _resolve_group(group, "group_size")
+    return group, (1 if group is None else dist.get_world_size(group))
+
+
+def _member(name: str, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(group, size, rank in group); a clear error at once for a group this process is not in."""
+    group = _resolve_group(group, name)
+    if group is None:
+        return None, 1, 0
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{name}: this process (global rank {dist.get_rank()}) is not a member of the group "
+                         f"it was given (ranks {dist.get_process_group_ranks(group)}); expected a group that "
+                         f"contains this rank, or group=None for the DSP group")
+    return group, dist.get_world_size(group), rank
+
+
+def group_size(group: dist.ProcessGroup | None = None) -> int:
+    """Size of ``group`` (resolved as in the primitives); 1 without torch.distributed."""
+    return _group_and_size(group)[1]
+
+
+def group_rank(group: dist.ProcessGroup | None = None) -> int:
+    """This process's rank inside ``group``; 0 without torch.distributed."""
+    group = _resolve_group(group, "group_rank")
+    return 0 if group is None else dist.get_rank(group)

@@ -1,0 +1,161 @@
+"""The static imports of ``dsp_plugin/`` form no cycle.
+
+Every module of the package is parsed (``ast``, nothing imported) and each import
+becomes an edge, at module level and inside functions alike:
+
+* ``import a.b.c`` -> ``a.b.c``;
+* ``from a.b import n`` -> ``a.b.n`` when that is a module of the package, else ``a.b``;
+* relative imports (``from . import n``, ``from ..x import n``) resolved against the module's package.
+
+Left out, since they never run (``if TYPE_CHECKING:``) or cannot be read statically
+(``importlib.import_module(f"...")``, ``"module:function"`` strings): typing-only and
+dynamic imports. A package's ``__init__`` is not an edge of its submodules' imports
+(Python runs it first, but a submodule that imports its parent's names says so with
+``from package import name``, which is an edge).
+
+A cycle is reported as the modules in order, first module repeated at the end.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dsp_plugin
+
+PACKAGE = Path(dsp_plugin.__file__).parent
+ROOT = PACKAGE.name
+
+
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
+    """Dotted module name -> file, for every ``.py`` under ``package`` (``__init__`` as the package's name)."""
+    found = {}
+    for path in sorted(package.rglob("*.py")):
+        parts = [package.name, *path.relative_to(package).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def _typing_only(tree: ast.AST) -> set[int]:
+    """ids of the import nodes under ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+            for inner in node.body:
+                skipped.update(id(n) for n in ast.walk(inner))
+    return skipped
+
+
+def imports_of(name: str, path: Path, known: dict[str, Path]) -> set[str]:
+    """The package modules ``name`` (at ``path``) imports statically, anywhere in the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    skipped = _typing_only(tree)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    edges: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name in known:
+                    edges.add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[:len(base) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            for alias in node.names:
+                if f"{source}.{alias.name}" in known:
+                    edges.add(f"{source}.{alias.name}")
+                elif source in known:
+                    edges.add(source)
+    edges.discard(name)
+    return edges
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    known = modules(package)
+    return {name: imports_of(name, path, known) for name, path in known.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected component of more than one module (Tarjan), as a path."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return [_path_in(graph, set(c)) for c in sorted(components)]
+
+
+def _path_in(graph: dict[str, set[str]], component: set[str]) -> list[str]:
+    """The shortest cycle through the component's first module (breadth-first inside the component)."""
+    start = min(component)
+    parents: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for v in frontier:
+            for w in sorted(graph[v] & component):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(parents[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if w not in parents:
+                    parents[w] = v
+                    following.append(w)
+        frontier = following
+    raise AssertionError(f"no cycle through {start} in {sorted(component)}")
+
+
+def test_the_package_imports_form_no_cycle() -> None:
+    graph = import_graph()
+    assert len(graph) > 50 and sum(map(len, graph.values())) > 100, "the scan found too few modules or imports"
+    found = cycles(graph)
+    assert found == [], "import cycles in dsp_plugin/:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_the_scan_finds_function_level_relative_and_submodule_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from pkg.sub import b\n")                      # a submodule by `from`
+    (pkg / "sub" / "b.py").write_text("def f():\n    from . import c\n")      # function-level, relative
+    (pkg / "sub" / "c.py").write_text("from ..a import name\nfrom typing import TYPE_CHECKING\n"
+                                      "if TYPE_CHECKING:\n    import pkg.d\n")  # a name of a module; typing only
+    (pkg / "d.py").write_text("import pkg.a\n")
+    graph = import_graph(pkg)
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.sub.c"}
+    assert graph["pkg.sub.c"] == {"pkg.a"} and graph["pkg.d"] == {"pkg.a"}
+    assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]]
