@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["ShardSpec", "attach", "global_len_of", "propagate", "shard_spec"]
 
@@ -90,8 +91,8 @@ _lock = threading.Lock()
 
 
 def _alias_key(x: torch.Tensor) -> tuple[object, ...] | None:
-    if x.numel() == 0 or x.device.type == "meta":
-        return None  # empty tensors share data_ptr 0: no identity to key on
+    if x.numel() == 0 or x.device.type == "meta" or is_fake(x):
+        return None  # empty tensors share data_ptr 0, and a fake one (torch.compile's tracing) has no memory
     return (x.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
 
 
