@@ -91,9 +91,12 @@ _lock = threading.Lock()
 
 
 def _alias_key(x: torch.Tensor) -> tuple[object, ...] | None:
-    if x.numel() == 0 or x.device.type == "meta" or is_fake(x):
-        return None  # empty tensors share data_ptr 0, and a fake one (torch.compile's tracing) has no memory
-    return (x.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
+    if x.numel() == 0 or x.device.type == "meta":
+        return None  # empty tensors share data_ptr 0: no identity to key on
+    # a fake tensor (FakeTensorMode: torch.compile's tracing, the fake-device tests) has no memory and data_ptr 0;
+    # its storage object is what its aliases share
+    memory = ("storage", x.untyped_storage()._cdata) if is_fake(x) else x.data_ptr()
+    return (memory, x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
 
 
 def attach(x: torch.Tensor, dim: int, global_len: int, *, grid: tuple[int, ...] = (),

@@ -98,30 +98,38 @@ class CpuValues(TorchDispatchMode):
 
     ``collective_device`` is the device NCCL is bound to on this rank. ``on_collective``,
     when given, is called with ``(op name, devices)`` for every collective.
+    ``cuda_generator(device)``: the generator whose state stands for that GPU's; a random
+    op on a CUDA tensor draws its values from it, not from the CPU's default generator
+    (as on a device, where the CPU's RNG state does not move).
     """
 
-    def __init__(self, collective_device: torch.device,
-                 on_collective: Callable[[str, list[torch.device]], None] | None = None) -> None:
+    def __init__(self, collective_device: torch.device, *,
+                 on_collective: Callable[[str, list[torch.device]], None] | None = None,
+                 cuda_generator: Callable[[torch.device], torch.Generator] | None = None) -> None:
         super().__init__()
         self.collective_device = collective_device
         self.on_collective = on_collective
+        self.cuda_generator = cuda_generator
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.ops.aten._pin_memory.default:   # a copy into page-locked host memory: a CPU copy here
+            func, args, kwargs = torch.ops.aten.clone.default, args[:1], {}
         flat, _ = tree_flatten((args, kwargs))
         if func.namespace in _COLLECTIVE_NAMESPACES and "barrier" not in func.__name__:  # a barrier's tensor is
             self._check_collective(func, flat)                                             # torch's CPU placeholder
         fakes = [a for a in flat if isinstance(a, FakeTensor)]
         known = all(values_of(a) is not None for a in fakes)
-        if func in _VALUE_QUESTIONS and fakes and known:
+        if func in _VALUE_QUESTIONS and known:
             return self._real(func, args, kwargs)
         try:
             out = func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             if not known:
                 raise
-            return self._fake_from_values(self._real(func, args, kwargs), fakes[0].device)
+            device = fakes[0].device if fakes else torch.device("cpu")
+            return self._fake_from_values(self._real(func, args, kwargs), device)
         real = self._real(func, args, kwargs, missing_ok=True) if known else _NO_VALUES
         fake_leaves, _ = tree_flatten(out)
         real_leaves, _ = tree_flatten(real)
@@ -141,12 +149,29 @@ class CpuValues(TorchDispatchMode):
         if real_kwargs.get("pin_memory"):
             real_kwargs["pin_memory"] = False     # pinning needs a CUDA driver
         try:
-            with outside_modes():
+            with outside_modes(), self._device_generator(func, args, kwargs):
                 return func(*tree_map(real, args), **real_kwargs)
         except Exception:
             if missing_ok:      # a kernel the CPU lacks (flash attention ...): these outputs carry no values
                 return _NO_VALUES
             raise
+
+    @contextlib.contextmanager
+    def _device_generator(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+        """A random op on a CUDA tensor draws from that device's generator: lend its state to the CPU's."""
+        device = next((a.device for a in tree_flatten(args)[0] if isinstance(a, torch.Tensor)), kwargs.get("device"))
+        if (self.cuda_generator is None or kwargs.get("generator") is not None
+                or torch.Tag.nondeterministic_seeded not in func.tags
+                or not (isinstance(device, torch.device) and device.type == "cuda")):
+            yield
+            return
+        generator, cpu_state = self.cuda_generator(device), torch.get_rng_state()
+        torch.set_rng_state(generator.get_state())
+        try:
+            yield
+        finally:
+            generator.set_state(torch.get_rng_state())
+            torch.set_rng_state(cpu_state)
 
     def _fake_from_values(self, real: Any, device: torch.device) -> Any:
         def fake(value: Any) -> Any:
