@@ -11,8 +11,8 @@ import pytest
 import torch
 
 # The suite's multi-process tests are CPU (gloo) tests by design, on a GPU machine too: DSP_BACKEND=gloo keeps
-# dsp_plugin.runtime (spawned workers, launches) and the Megatron CPU shim (megatron/cpu.py, cuda_is_real) on the
-# CPU. Spawned workers inherit it. The GPU checks are `pytest -m gpu` and scripts/gpu_check.sh.
+# dsp_plugin.runtime on gloo and the CPU for what the tests start (make train, the sampling launches, the benches'
+# spawn(backend="auto")); spawned processes inherit it. The GPU checks are `pytest -m gpu` and scripts/gpu_check.sh.
 os.environ.setdefault("DSP_BACKEND", "gloo")
 
 

@@ -2,9 +2,7 @@
 
 megatron-core and ``megatron.training`` assume CUDA in device queries even where
 the tensors could live anywhere. ``cuda_shim()`` answers exactly those, and only
-while Megatron does not run on CUDA (``cuda_is_real()``: no GPU, or ``DSP_BACKEND=gloo``,
-which the test suite sets so that its CPU tests stay on the CPU on a GPU machine too;
-otherwise it does nothing). The base set serves
+while CUDA is absent (on a GPU machine it does nothing). The base set serves
 megatron-core (layers, DDP, schedules, argument validation):
 
 ============================================  =============================================
@@ -53,7 +51,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import os
 import types
 from collections.abc import Iterator
 from typing import Any
@@ -65,7 +62,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.overrides import TorchFunctionMode
 
 from dsp_plugin.megatron.steps import forward_step
-from dsp_plugin.runtime import ENV
 
 __all__ = ["cuda_shim", "install_cuda_shim", "restore_cuda_shim", "train_step", "wrap_ddp"]
 
@@ -143,15 +139,16 @@ _MODE: list[_CudaTensorsOnCpu] = []
 
 
 def cuda_is_real() -> bool:
-    """Whether Megatron runs on CUDA here: torch sees a GPU (not this shim's ``is_available`` answering) and
-    ``DSP_BACKEND=gloo`` (``dsp_plugin.runtime``; the test suite's default) does not keep the process on the CPU."""
-    if os.environ.get(ENV, "").strip().lower() == "gloo":
-        return False
+    """Whether this process has CUDA: ``torch.cuda.is_available()``, unless it is this shim answering (training).
+
+    Asked each time, not remembered from the process's first call: a test that gives the process a
+    (fake) GPU for a while must not leave the answer behind for the CPU tests after it.
+    """
     return torch.cuda.is_available is not _TRAINING_SHIMS["is_available"] and torch.cuda.is_available()
 
 
 def install_cuda_shim(*, training: bool = False) -> dict[str, Any]:
-    """Install the shim unless Megatron runs on CUDA (``cuda_is_real``); returns what it replaced (empty then).
+    """Install the shim when CUDA is unavailable; returns what it replaced (empty on a GPU machine).
 
     ``training=True`` adds the queries of ``megatron.training``'s ``pretrain()``/``train()``
     (``torch.cuda.is_available()`` answers True while it is installed).
