@@ -174,7 +174,7 @@ def fake_cuda_node(*, local_rank: int = 1, rank: int | None = None, world_size: 
     node = FakeNode(torch.device("cuda", local_rank), rank, world_size, mode)
     env = {"RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world_size),
            "LOCAL_WORLD_SIZE": str(devices), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29499",
-           "DSP_BACKEND": "nccl"}   # dsp_plugin.runtime: this node has GPUs (the suite's default is gloo)
+           "DSP_BACKEND": "nccl"}   # dsp_plugin.backend: this node has GPUs (the suite's default is gloo)
     with contextlib.ExitStack() as stack:
         stack.callback(patches.undo)
         stack.enter_context(warnings.catch_warnings())

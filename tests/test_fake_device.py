@@ -34,12 +34,12 @@ def test_the_device_is_the_current_one_as_in_cuda() -> None:
 
 def test_runtime_puts_a_fake_group_on_the_gpu() -> None:
     """torch's ``fake`` backend stands in for NCCL (Megatron's ``--fake-process-group``): the launches and benches
-    that ask ``dsp_plugin.runtime.current_device()`` compute on the GPU, not on the CPU as under gloo."""
-    from dsp_plugin import runtime
+    that ask ``dsp_plugin.backend.current_device()`` compute on the GPU, not on the CPU as under gloo."""
+    from dsp_plugin import backend
 
     with fake_cuda_node(local_rank=1):
-        torch.cuda.set_device(runtime.choose().device)
-        assert dist.get_backend() == "fake" and runtime.current_device() == CUDA1
+        torch.cuda.set_device(backend.choose().device)
+        assert dist.get_backend() == "fake" and backend.current_device() == CUDA1
 
 
 def test_a_tensor_on_the_wrong_device_fails() -> None:

@@ -2,7 +2,7 @@
 
 ``dsp_plugin.parallelize`` on diffusers' Wan (full 3D: the head switch, 3 heads
 on 2 ranks) and CogVideoX (joint text tokens, 3D RoPE tables), each moved to the
-device ``dsp_plugin.runtime`` chooses (``cuda:LOCAL_RANK``) in bf16; and the
+device ``dsp_plugin.backend`` chooses (``cuda:LOCAL_RANK``) in bf16; and the
 samplers end to end: ``parallelize_wan_pipeline`` (text encoder, transformer,
 scheduler, Wan's VAE on the GPU, latents drawn from the user's CPU generator)
 and the Latte launch's ``sample()``. Every collective must be on ``cuda:1``, no
@@ -35,12 +35,12 @@ CUDA1 = torch.device("cuda", 1)
 @pytest.fixture
 def node() -> Iterator[FakeNode]:
     """The fake node with its DSP topology (the whole world) and the device bound as a launch binds it."""
-    from dsp_plugin import runtime
+    from dsp_plugin import backend
     from dsp_plugin.topology import Topology, set_topology
 
     with fake_cuda_node(local_rank=1) as fake:
-        device = runtime.choose().device
-        assert device == CUDA1, f"dsp_plugin.runtime chose {device} for LOCAL_RANK=1"
+        device = backend.choose().device
+        assert device == CUDA1, f"dsp_plugin.backend chose {device} for LOCAL_RANK=1"
         torch.cuda.set_device(device)
         set_topology(Topology.world())
         try:
@@ -64,7 +64,7 @@ def uneven() -> Iterator[None]:
 @pytest.mark.parametrize(("frames", "heads"), [(6, 4), (5, 3)], ids=["even", "uneven"])
 def test_plan_runtime_wan(node: FakeNode, frames: int, heads: int, request: pytest.FixtureRequest) -> None:
     import dsp_plugin
-    from dsp_plugin.adapters.tiny import tiny_wan
+    from dsp_plugin.testing.tiny import tiny_wan
 
     if frames % 2 or heads % 2:
         request.getfixturevalue("uneven")
@@ -97,9 +97,8 @@ def test_plan_runtime_cogvideox_with_rope(node: FakeNode) -> None:
 
 @pytest.mark.usefixtures("uneven")
 def test_wan_sampler(node: FakeNode) -> None:
-    from dsp_plugin.adapters.pipeline import sampling_groups
-    from dsp_plugin.adapters.pipeline_wan import parallelize_wan_pipeline
-    from dsp_plugin.adapters.tiny import tiny_wan_pipeline
+    from dsp_plugin.pipelines import parallelize_wan_pipeline, sampling_groups
+    from dsp_plugin.testing.tiny import tiny_wan_pipeline
 
     pipe = tiny_wan_pipeline(layers=2).to(node.device)
     pipe.set_progress_bar_config(disable=True)
