@@ -85,10 +85,15 @@ def init_distributed(*, timeout_s: float = 120, **init_kwargs: object) -> Runtim
 
 
 def current_device() -> torch.device:
-    """The device of this process's default group: its GPU under NCCL, else the CPU."""
+    """The device of this process's default group: its GPU under NCCL, else the CPU.
+
+    torch's ``fake`` backend (Megatron's ``--fake-process-group``, the fake-device tests) stands in for
+    NCCL on a machine with CUDA: the GPU there too.
+    """
     import torch.distributed as dist
 
-    if dist.is_initialized() and dist.get_backend() == "nccl":
+    if dist.is_initialized() and (dist.get_backend() == "nccl"
+                                  or (dist.get_backend() == "fake" and torch.cuda.is_available())):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

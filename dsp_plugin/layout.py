@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["ShardSpec", "attach", "global_len_of", "propagate", "shard_spec"]
 
@@ -92,7 +93,10 @@ _lock = threading.Lock()
 def _alias_key(x: torch.Tensor) -> tuple[object, ...] | None:
     if x.numel() == 0 or x.device.type == "meta":
         return None  # empty tensors share data_ptr 0: no identity to key on
-    return (x.data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
+    # a fake tensor (FakeTensorMode: torch.compile's tracing, the fake-device tests) has no memory and data_ptr 0;
+    # its storage object is what its aliases share
+    memory = ("storage", x.untyped_storage()._cdata) if is_fake(x) else x.data_ptr()
+    return (memory, x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
 
 
 def attach(x: torch.Tensor, dim: int, global_len: int, *, grid: tuple[int, ...] = (),

@@ -10,6 +10,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+# The suite's multi-process tests are CPU (gloo) tests by design, on a GPU machine too: DSP_BACKEND=gloo keeps
+# dsp_plugin.backend on gloo and the CPU for what the tests start (make train, the sampling launches, the benches'
+# spawn(backend="auto")); spawned processes inherit it. The GPU checks are `pytest -m gpu` and scripts/gpu_check.sh.
+os.environ.setdefault("DSP_BACKEND", "gloo")
+
 
 @pytest.fixture
 def one_rank() -> Iterator[None]:

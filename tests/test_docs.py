@@ -200,6 +200,13 @@ RULES: list[Rule] = [
          expect="us per call"),
     Rule(r"docs/megatron\.md:bash:F=\"--position-embedding-type rope", "covered",
          tests=("tests/test_megatron_paper_model.py",), why="the flags the two run_megatron.sh lines below take"),
+    # ---- the GPU path --------------------------------------------------------------------------------------
+    Rule(r"scripts/gpu_check\.sh --dry-run", "run", expect="sampling"),
+    Rule(r"scripts/gpu_check\.sh( attention sampling)?\s*(#.*)?$", "covered",
+         tests=("tests/test_gpu_check.py",), why="needs a GPU; the dry run, a SKIP without CUDA and the attention "
+         "step's CPU form run there"),
+    Rule(r"scripts/gpu_check/wheels\.sh", "skip", "downloads wheels from the package index"),
+    Rule(r"docs/gpu\.md:inline:pytest -m gpu$", "skip", "the GPU tests: they skip without CUDA"),
     Rule(r"docs/troubleshooting\.md:bash:torchrun .*-m dsp_plugin\.launch\.train_dsp .*--timeout", "check",
          "a frozen peer needs a second terminal; tests/test_reliability_launch.py bounds the launches' exits"),
     Rule(r"docs/troubleshooting\.md:inline:(torchrun|deepspeed) --(standalone|master_port)", "skip",

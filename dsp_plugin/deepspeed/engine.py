@@ -21,8 +21,10 @@ With the key, ``initialize``, in order:
 4. for ZeRO-3, casts the parameters to the configured precision and partitions them
    over DP x DSP, and registers the gradient scale that makes every stage sum over
    DSP and average over DP (``gradients.py``);
-5. installs the first-forward guard (``guard.py``) and the hook that gives every
-   parameter a (zero) gradient on every rank (``gradients.install_every_gradient``);
+5. installs the first-forward guard (``guard.py``), whose collectives run on the
+   engine's device (``engine.device``: the GPU ``deepspeed.initialize`` binds,
+   ``cuda:LOCAL_RANK``), and the hook that gives every parameter a (zero)
+   gradient on every rank (``gradients.install_every_gradient``);
 6. calls ``deepspeed.initialize`` with a ``DeepSpeedMPU`` so ZeRO partitions and
    reduces over DP x DSP and the batch arithmetic counts DP only;
 7. returns ``training_data`` wrapped in ``dsp_dataloader`` (identical batches
@@ -146,8 +148,14 @@ def _initialize_dsp(settings: DSPSettings, *, training_data: Any, scale: float |
     if settings.zero_stage == 3 and zero3_partition:
         partition_for_zero3(kwargs["model"], topology, config, mpu)
     install_gradient_scale(kwargs["model"], gradient_scale(settings) if scale is None else scale)
-    install_guard(kwargs["model"], topology, device=get_accelerator().current_device_name())
+    # The guard's collectives run on the engine's device: the GPU deepspeed.initialize binds (args.device_rank, else
+    # LOCAL_RANK). It is not bound yet here: reading the current device now gives cuda:0 on every rank of a node,
+    # and NCCL refuses the guard's all-gather on local ranks >= 1. Still installed before initialize, so its hooks
+    # keep running ahead of ZeRO-3's.
+    bound: list[torch.device] = []
+    install_guard(kwargs["model"], topology, device=lambda: bound[0])
     engine, optimizer, _, scheduler = deepspeed.initialize(training_data=None, mpu=mpu, **kwargs)
+    bound.append(engine.device)
     if os.environ.get(EVERY_GRADIENT_ENV, "1") != "0":   # after: ZeRO-3's own pre-hooks gather parameters first
         install_every_gradient(kwargs["model"])
     loader = None

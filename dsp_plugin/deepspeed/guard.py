@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,6 +48,9 @@ __all__ = ["GUARD_ENV", "DSPGuardError", "input_fingerprint", "install_guard"]
 
 GUARD_ENV = "DSP_DEEPSPEED_GUARD"
 _HANDLES = "_dsp_guard_hooks"
+
+#: Where the agreement tensors live, or a function that says so at the first forward.
+Device = torch.device | str | Callable[[], torch.device | str]
 
 
 class DSPGuardError(RuntimeError):
@@ -105,12 +109,14 @@ def _verdict(rows: torch.Tensor | list[list[int]], topology: Topology) -> str | 
     return None
 
 
-def install_guard(module: torch.nn.Module, topology: Topology, *,
-                  device: torch.device | str = "cpu") -> bool:
+def install_guard(module: torch.nn.Module, topology: Topology, *, device: Device = "cpu") -> bool:
     """Check the first forward of ``module`` on every rank; returns whether the guard was installed.
 
     Not installed for DSP size 1 (nothing to shard) or with ``DSP_DEEPSPEED_GUARD=0``.
-    ``device`` is where the agreement tensor lives (the communication backend's device).
+    ``device`` is where the agreement tensor lives: the device the communication
+    backend is bound to (NCCL: this rank's GPU, ``cuda:LOCAL_RANK``; NCCL refuses a
+    collective on any other). A callable is asked at the first forward, for a
+    guard installed before the framework binds the device (``engine.py``).
     Calling it again on the same module replaces the earlier hooks.
     """
     for handle in getattr(module, _HANDLES, []):
@@ -129,13 +135,14 @@ def install_guard(module: torch.nn.Module, topology: Topology, *,
             handle.remove()
         row = [checks.GUARD_MAGIC, sharded_calls() - state["calls"], state["fingerprint"]]
         ranks = dist.get_process_group_ranks(topology.dsp_group)
+        where = torch.device(device() if callable(device) else device)
         # 1. the DSP group, in the primitives' check format (a peer may be waiting in split's check)
-        mine = exchange_words(row, group=topology.dsp_group, device=torch.device(device))
+        mine = exchange_words(row, group=topology.dsp_group, device=where)
         message = _group_verdict(mine, ranks, topology.dsp)
         if message is not None and any(r[0] == checks.MAGIC for r in mine):
             raise DSPGuardError(message)   # that peer raises in its own check: nobody is left waiting
         # 2. the world: every DSP group's verdict, so every rank stops when any group is wrong
-        world = exchange_words(row, group=dist.group.WORLD, device=torch.device(device))
+        world = exchange_words(row, group=dist.group.WORLD, device=where)
         message = _verdict([r[:3] for r in world], topology)
         if message is not None:
             raise DSPGuardError(message)

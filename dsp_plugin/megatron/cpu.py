@@ -136,14 +136,15 @@ class _CudaTensorsOnCpu(TorchFunctionMode):
 
 
 _MODE: list[_CudaTensorsOnCpu] = []
-_REAL_CUDA: list[bool] = []
 
 
 def cuda_is_real() -> bool:
-    """Whether this machine has CUDA, asked before any shim (``is_available`` is shimmed in training)."""
-    if not _REAL_CUDA:
-        _REAL_CUDA.append(torch.cuda.is_available())
-    return _REAL_CUDA[0]
+    """Whether this process has CUDA: ``torch.cuda.is_available()``, unless it is this shim answering (training).
+
+    Asked each time, not remembered from the process's first call: a test that gives the process a
+    (fake) GPU for a while must not leave the answer behind for the CPU tests after it.
+    """
+    return torch.cuda.is_available is not _TRAINING_SHIMS["is_available"] and torch.cuda.is_available()
 
 
 def install_cuda_shim(*, training: bool = False) -> dict[str, Any]:
