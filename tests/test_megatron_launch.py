@@ -43,7 +43,9 @@ SINGLE_PROCESS_PER_ITERATION = {1: 1.600200891, 2: 1.490362883}
 
 
 def test_dsp2_launch_logs_the_single_process_losses(dsp2: tuple) -> None:
+    """Megatron's own defaults, --bias-gelu-fusion included (its fused bias-GELU is the DiT's tanh GELU)."""
     losses = dsp2[0]
+    assert "bias_gelu_fusion ................................ True" in dsp2[1]
     print(f"\nlaunch losses: DSP=2 {losses}, single process (measured) {SINGLE_PROCESS}")
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
     assert max(abs(SINGLE_PROCESS[i] - losses[i]) for i in losses) < 2e-6, losses

@@ -225,7 +225,10 @@ def model_config_from_args(args: argparse.Namespace) -> DSPTransformerConfig:
         config = core_transformer_config_from_args(args, config_class=DSPTransformerConfig)
     finally:
         args.context_parallel_size = saved
-    if config.activation_func is torch.nn.functional.gelu:  # Megatron's default: use the DiT's GELU
+    if config.activation_func is torch.nn.functional.gelu and not config.bias_activation_fusion:
+        # the DiT's GELU is the tanh approximation. Megatron's default --bias-gelu-fusion keeps F.gelu as the
+        # marker its MLP dispatches on ("Only support fusion of gelu and swiglu" for anything else), and its
+        # fused kernel (megatron.core.fusions.fused_bias_gelu.bias_gelu) already is the tanh approximation
         config.activation_func = gelu_tanh
     if ps.get_pipeline_model_parallel_world_size() > 1:
         config.variable_seq_lengths = True  # uneven shards and buckets: let Megatron exchange p2p shapes
