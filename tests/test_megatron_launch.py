@@ -27,9 +27,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def dsp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], str, str]:
+    """Megatron's auto-resume idiom: ``--save D --load D`` on an empty D (the first run of a job)."""
     ckpt = str(tmp_path_factory.mktemp("ckpt_dsp2"))
-    losses, out = launch("--save", ckpt, "--save-interval", "2", NPROC="2", DSP="2", EVAL_ITERS="2",
-                         EVAL_INTERVAL="2")
+    losses, out = launch("--save", ckpt, "--load", ckpt, "--save-interval", "2", NPROC="2", DSP="2",
+                         EVAL_ITERS="2", EVAL_INTERVAL="2")
     return losses, out, ckpt
 
 
@@ -67,10 +68,18 @@ def test_the_launch_logs_what_dsp_did_in_iteration_1(dsp2: tuple) -> None:
     assert out.count("DSP step traffic") == 1, "only iteration 1 is counted"
 
 
+def test_the_first_run_of_save_d_load_d_starts_fresh_and_says_so(dsp2: tuple) -> None:
+    """The fixture's run is the first of a job using Megatron's auto-resume idiom: it trains (the losses above)
+    and logs that it starts from scratch."""
+    assert "is the --save directory and holds no checkpoint yet: starting from scratch" in dsp2[1]
+
+
 def test_resume_at_another_dsp_size_with_more_iterations(dsp2: tuple) -> None:
-    """The checkpoint was saved by a 3-iteration run; ``--train-iters 4`` changes Megatron's scheduler
+    """The second run of the same ``--save D --load D`` job (at another DSP size, from iteration 2): bit-exact.
+    The checkpoint was saved by a 3-iteration run; ``--train-iters 4`` changes Megatron's scheduler
     (``wd_incr_steps``), which ``run_megatron.sh`` lets the command line win (``LR_SCHEDULE``)."""
-    resumed, out = launch("--load", dsp2[2], "--ckpt-step", "2", iters=4, NPROC="4", DSP="4")
+    resumed, out = launch("--save", dsp2[2], "--load", dsp2[2], "--save-interval", "2", "--ckpt-step", "2", iters=4,
+                          NPROC="4", DSP="4")
     assert "successfully loaded checkpoint" in out and "Unable to load rng state" not in out
     print(f"\nDSP=2 -> DSP=4 resume, 3 -> 4 iterations: iteration 3 loss {resumed[3]!r} vs uninterrupted "
           f"{dsp2[0][3]!r}")

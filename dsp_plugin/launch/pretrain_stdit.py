@@ -120,7 +120,9 @@ def main() -> None:
         fail_on_silent_exit_in_load()  # Megatron's loader sys.exit()s with status 0 on some errors
         install_flops_formula()  # throughput in this model's FLOPs, not the GPT formula
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
-        check_load_path(args)  # --load of nothing is refused (Megatron would start from scratch)
+        fresh = check_load_path(args)  # --load of nothing is refused unless it is --save (auto-resume)
+        if fresh:
+            print_rank_0(f"> {fresh}")
         if not cuda_is_real():
             refuse_cuda_only_options(args)
         print_rank_0(f"> sequence parallel mode: {args.sequence_parallel_mode}, dsp size {args.dsp_size} "
