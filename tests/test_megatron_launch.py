@@ -20,7 +20,7 @@ import pytest
 
 pytest.importorskip("megatron.training")
 
-from tests.megatron_launch import ROOT, VALIDATION, launch  # noqa: E402
+from tests.megatron_launch import ROOT, VALIDATION, cpu_env, launch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -113,8 +113,7 @@ def test_two_launches_on_one_machine_get_their_own_port(tmp_path) -> None:
     rendezvous store open while the other starts)."""
     script = tmp_path / "hold.py"
     script.write_text("import os, time\nprint('port', os.environ['MASTER_PORT'], flush=True)\ntime.sleep(3)\n")
-    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
-    env |= {"PYTHON": sys.executable, "SCRIPT": str(script), "NPROC": "1", "DSP": "1"}
+    env = cpu_env() | {"PYTHON": sys.executable, "SCRIPT": str(script), "NPROC": "1", "DSP": "1"}
     runs = [subprocess.Popen(["bash", str(ROOT / "launch" / "run_megatron.sh")], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [run.communicate(timeout=120)[0] for run in runs]

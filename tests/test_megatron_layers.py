@@ -53,14 +53,57 @@ def test_sdpa_core_attention_refuses_context_parallel_config() -> None:
         SDPACoreAttention(_config(context_parallel_size=2), 1, AttnMaskType.no_mask, "self")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU shim")
 def test_cuda_shim_maps_cuda_to_cpu_and_restores() -> None:
     with cuda_shim():
         assert torch.zeros(2, device="cuda").device.type == "cpu"
         assert torch.ones(1).cuda().device.type == "cpu"
         assert torch.cuda.current_device() == torch.device("cpu")
-    with pytest.raises((RuntimeError, AssertionError)):
-        torch.zeros(2, device="cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.zeros(2, device="cuda")
+
+
+def test_the_shim_pins_the_cpu_path_where_cuda_is_present(monkeypatch: pytest.MonkeyPatch, one_rank: None) -> None:
+    """``make test`` on a GPU machine runs the Megatron tests on the same CPU path as CI: the shim installs
+    whether or not CUDA is present (the launch asks ``cuda_is_real()`` before installing it). Simulated: CUDA
+    answers as on a GPU machine; a model built where megatron-core builds (``current_device()``) and wrapped
+    in Megatron's DDP (grad buffers on ``current_device()``) trains on the CPU."""
+    from dsp_plugin.megatron import cpu
+    from dsp_plugin.megatron.groups import install_topology
+    from dsp_plugin.megatron.model import VideoShape
+    from dsp_plugin.megatron.steps import build_model, dsp_config
+
+    monkeypatch.setattr(cpu, "_REAL_CUDA", [True])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # a GPU machine's answer
+    install_topology()
+    video = VideoShape(4, 2, 2, 2)
+    with cuda_shim():
+        assert torch.cuda.current_device() == torch.device("cpu")
+        config = dsp_config(video, num_layers=2, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0,
+                            attention_dropout=0.0, use_cpu_initialization=False, perform_initialization=False)
+        ddp = cpu.wrap_ddp(build_model(config, video, text_dim=8, text_len=3), config)
+        out = ddp(torch.randn(1, 4, 2, 2, 2), torch.tensor([5]), torch.randn(1, 3, 8))
+        out.square().mean().backward()
+        assert {b.grad_data.device.type for b in ddp.buffers} == {"cpu"}
+    assert torch.cuda.current_device() == 0  # put back
+
+
+def test_reference_weights_reseed_no_gpu_generator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The oracle's weights are drawn on a forked CPU generator: no GPU generator is reseeded (that would undo
+    Megatron's per-stage seeding) and the CPU generator is put back."""
+    from dsp_plugin.megatron.model import VideoShape
+    from dsp_plugin.megatron.steps import dsp_config, reference_weights
+
+    reseeded: list[int] = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", reseeded.append)
+    video = VideoShape(4, 2, 2, 2)
+    config = dsp_config(video, num_layers=2, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True)
+    state = torch.get_rng_state()
+    first, again = (reference_weights(config, video, 8, seed=7) for _ in range(2))
+    assert reseeded == [] and torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(first[name], again[name]) for name in first)
 
 
 @pytest.mark.skipif(te_available(), reason="checks the message when Transformer Engine is missing")

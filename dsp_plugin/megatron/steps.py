@@ -86,12 +86,18 @@ def dsp_config(video: VideoShape, **transformer_config: Any) -> DSPTransformerCo
 
 def reference_weights(config: DSPTransformerConfig, video: VideoShape, text_dim: int | None,
                       seed: int) -> dict[str, torch.Tensor]:
-    """State dict of the plain-torch reference ``STDiT`` drawn with ``seed`` (same on every rank)."""
+    """State dict of the plain-torch reference ``STDiT`` drawn with ``seed`` (same on every rank).
+
+    Only the CPU generator is touched, and put back: the reference is built on the CPU with torch's
+    initialisers, which draw from the default CPU generator, so that generator is forked and seeded
+    (``torch.manual_seed`` would also reseed every GPU's generator, which ``fork_rng(devices=[])`` does not
+    restore: after Megatron's per-stage seeding, every stage's CUDA stream would restart at ``seed``).
+    """
     from dsp_plugin.megatron.weights import reference_config
     from dsp_plugin.models.stdit import STDiT
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.default_generator.manual_seed(seed)
         return STDiT(reference_config(config, video.channels, text_dim, weights_only=True)).state_dict()
 
 
