@@ -11,7 +11,6 @@ with a larger ``--train-iters`` resumes from it (another DSP size) and logs the 
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
 import sys
