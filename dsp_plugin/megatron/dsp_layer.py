@@ -49,6 +49,7 @@ from torch import nn
 
 from dsp_plugin import layout
 from dsp_plugin.comm import dynamic_switch
+from dsp_plugin.megatron.dropout import sharded_dropout
 from dsp_plugin.megatron.recompute import SwitchReplayCache, first_layer_of_a_chunk
 from dsp_plugin.megatron.rope import factorized_table
 from dsp_plugin.megatron.config import (
@@ -287,9 +288,10 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         return context_mask
 
     def _bias_dropout(self, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Hidden dropout with this DSP shard's own mask (``dropout.py``), the same on its TP replicas."""
         if bias is not None:
             out = out + bias
-        return nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)
+        return sharded_dropout(out, self.hidden_dropout, self.training, salt=(self.pg_collection.cp.rank(),))
 
 
 

@@ -74,9 +74,9 @@ def grid_carrier(grid: tuple[int, int], shard_dim: int) -> torch.Tensor:
 def _read_carrier(carrier: object, where: str) -> tuple[tuple[int, int], int]:
     if (not isinstance(carrier, torch.Tensor) or carrier.device.type != "cpu" or carrier.dtype != torch.int64
             or carrier.shape != (3,)):
-        raise ValueError(f"{where}: attention_mask must carry the video grid [T, S, shard_dim] (grid_carrier; "
-                         "DSPFullAttentionLayer passes it), got "
-                         f"{None if not isinstance(carrier, torch.Tensor) else (carrier.dtype, carrier.device, tuple(carrier.shape))}")
+        got = (carrier.dtype, carrier.device, tuple(carrier.shape)) if isinstance(carrier, torch.Tensor) else carrier
+        raise ValueError(f"{where}: attention_mask must carry the video grid [T, S, shard_dim] as an int64 CPU tensor "
+                         f"(grid_carrier; DSPFullAttentionLayer passes it), got {got}")
     frames, patches, shard = carrier.tolist()
     return (frames, patches), shard
 
