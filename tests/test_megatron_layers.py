@@ -168,3 +168,58 @@ def test_te_dsp_block_bf16_and_fp8(one_rank: None, fp8: str | None) -> None:
     tokens_per_s = iters * x.shape[0] * x.shape[1] / (time.time() - start)
     print(f"\nTE DSP block {fp8 or 'bf16'}: {tokens_per_s:,.0f} tokens/s (fwd+bwd, 2 layers, hidden 1024)")
     assert torch.isfinite(out.float()).all() and torch.isfinite(x.grad.float()).all()
+
+
+def test_te_core_attention_of_a_full_layer_is_built_for_the_rank_s_heads() -> None:
+    """Transformer Engine's core attention has a fixed head count; in a full layer each DSP rank holds its share
+    of the heads after the switch (GQA: the K/V heads its query heads read). Too few heads is refused alike on
+    every rank. The local spec (CPU) keeps torch SDPA behind the head switch."""
+    from dsp_plugin.megatron.config import DSPTransformerConfig
+    from dsp_plugin.megatron.full_attention import head_share_config
+
+    config = DSPTransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=8, num_query_groups=2,
+                                  tensor_model_parallel_size=2, dsp_attend_pattern=("spatial", "full"))
+    shares = [head_share_config(config, 2, rank) for rank in (0, 1)]
+    # 4 heads and 1 K/V group per TP rank -> 2 query heads and that 1 K/V head on each of 2 DSP ranks
+    assert [(c.num_attention_heads, c.num_query_groups) for c in shares] == [(4, 2), (4, 2)]
+    assert (config.num_attention_heads, config.num_query_groups) == (8, 2)  # the model's config is untouched
+    uneven = [head_share_config(config, 3, rank) for rank in range(3)]  # 4 heads over 3: 2, 1, 1
+    assert [(c.num_attention_heads // 2, c.num_query_groups // 2) for c in uneven] == [(2, 1), (1, 1), (1, 1)]
+    for rank in range(8):
+        with pytest.raises(ValueError, match="4 heads per TP rank .* over dsp size 8 leave ranks without one"):
+            head_share_config(config, 8, rank)
+    layer_spec = dsp_layer_spec("local").submodules.self_attention.submodules.core_attention
+    assert layer_spec is SDPACoreAttention  # full layers wrap it in the head switch; no TE on the CPU path
+
+
+@pytest.mark.gpu
+@needs_te
+def test_te_core_attention_behind_the_head_switch_equals_sdpa(one_rank: None) -> None:
+    """GPU: ``HeadSwitchCoreAttention`` over Transformer Engine's core attention (GQA, bf16, one rank) equals
+    torch SDPA on the same q, k, v; a block with a full layer from the TE spec runs forward and backward."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from dsp_plugin.megatron.config import FRAME_DIM, DSPTransformerConfig
+    from dsp_plugin.megatron.dsp_layer import attach_video_grid
+    from dsp_plugin.megatron.full_attention import HeadSwitchCoreAttention, grid_carrier
+
+    config = DSPTransformerConfig(num_layers=2, hidden_size=256, num_attention_heads=4, num_query_groups=2,
+                                  bf16=True, params_dtype=torch.bfloat16, hidden_dropout=0.0, attention_dropout=0.0,
+                                  dsp_attend_pattern=("spatial", "full"))
+    pg = SimpleNamespace(cp=dist.group.WORLD, tp=dist.group.WORLD)
+    ours = HeadSwitchCoreAttention(config, 2, AttnMaskType.no_mask, "self", pg_collection=pg,
+                                   local_attention=TEDotProductAttention)
+    reference = SDPACoreAttention(config, 2, AttnMaskType.no_mask, "self")
+    q, k, v = (torch.randn(8 * 16, 2, h, 64, device="cuda", dtype=torch.bfloat16) for h in (4, 2, 2))
+    out = ours(q, k, v, grid_carrier((8, 16), FRAME_DIM))
+    torch.testing.assert_close(out, reference(q, k, v, None), rtol=2e-2, atol=2e-2)
+    block = TransformerBlock(config, dsp_layer_spec("transformer_engine"), post_layer_norm=False).cuda()
+    x = attach_video_grid(torch.randn(8 * 16, 2, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True),
+                          (8, 16), FRAME_DIM)
+    cond, text = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in ((2, 256), (4, 2, 256)))
+    block(hidden_states=x, attention_mask=cond, context=text).float().square().mean().backward()
+    assert torch.isfinite(x.grad.float()).all()

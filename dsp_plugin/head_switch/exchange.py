@@ -65,7 +65,7 @@ from dsp_plugin.comm import agree, collectives, group_resolution
 from dsp_plugin.head_switch.arg_checks import check_qkv, check_replicated
 from dsp_plugin.packing import chunk_sizes, offsets
 
-__all__ = ["from_heads", "head_ranges", "kv_elements_sent", "kv_head_ranges", "to_heads"]
+__all__ = ["from_heads", "head_ranges", "kv_elements_sent", "kv_head_ranges", "local_head_counts", "to_heads"]
 
 Range = tuple[int, int]  # (first head, number of heads)
 
@@ -95,6 +95,16 @@ def kv_elements_sent(*, heads: int, kv_heads: int, n: int, rank: int, tokens: in
         "repeat_to_heads": tokens * row * sum(count for j, (_, count) in enumerate(query) if j != rank),
         "all_gather": tokens * row * kv_heads * (n - 1),
     }
+
+
+def local_head_counts(heads: int, kv_heads: int, n: int, rank: int) -> tuple[int, int]:
+    """``(query heads, K/V heads)`` rank ``rank`` holds after ``to_heads`` of ``heads`` query and ``kv_heads`` K/V
+    heads over ``n`` ranks (K/V repeated to one per query head where its query heads straddle groups unevenly):
+    what a core attention built for a fixed head count (Transformer Engine's) must be built for."""
+    count = head_ranges(heads, n)[rank][1]
+    if kv_heads == heads or _local_kv_index(heads, kv_heads, n, rank) is not None:
+        return count, count
+    return count, kv_head_ranges(heads, kv_heads, n)[rank][1]
 
 
 def _local_kv_index(heads: int, kv_heads: int, n: int, rank: int) -> list[int] | None:

@@ -36,9 +36,11 @@ use: the layer passes :func:`grid_carrier`, a small CPU tensor ``[T, S, shard_di
 It travels wherever Megatron takes q, k and v, also into the checkpoint of selective
 recompute (``--recompute-granularity selective``, ``core_attn``), which re-runs the
 core attention in backward, outside the layer's forward. Under full recompute the
-head switch is recomputed with the layer (two all-to-alls more in backward); the
-Transformer Engine core attention is built for the config's head count, which a
-head shard does not have, so full layers need ``--transformer-impl local``.
+head switch is recomputed with the layer (two all-to-alls more in backward), under
+selective recompute the core attention with its head switch (likewise). With
+``--transformer-impl transformer_engine`` the local core attention is Transformer
+Engine's, built for the heads this rank holds after the switch (GPU only: the spec
+imports TE lazily and refuses without it).
 """
 
 from __future__ import annotations
@@ -53,13 +55,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
-from dsp_plugin.head_switch import from_heads, to_heads
+from dsp_plugin.head_switch import from_heads, local_head_counts, to_heads
 from dsp_plugin.megatron.config import ATTEND, FRAME_DIM, FULL, DSPTransformerConfig, local_grid
 from dsp_plugin.megatron.dsp_layer import DSPSpatialTemporalLayer
 from dsp_plugin.megatron.rope import full_layer_table
 from dsp_plugin.megatron.tokens import shard_range
 
-__all__ = ["DSPFullAttentionLayer", "DSPVideoLayer", "HeadSwitchCoreAttention", "grid_carrier", "layer_kind"]
+__all__ = ["DSPFullAttentionLayer", "DSPVideoLayer", "HeadSwitchCoreAttention", "grid_carrier", "head_share_config",
+           "layer_kind"]
 
 
 def grid_carrier(grid: tuple[int, int], shard_dim: int) -> torch.Tensor:
@@ -96,8 +99,9 @@ class HeadSwitchCoreAttention(MegatronModule):
     length comes from the layer's input, so the full sequence arrives in row-major ``(t, s)``
     order; the global lengths and the sharded dim come in ``attention_mask`` (:func:`grid_carrier`; a full
     layer's self-attention is unmasked). ``local_attention`` is the core attention class the layer spec names
-    (it must accept any head count, as :class:`~dsp_plugin.megatron.layers.SDPACoreAttention`
-    does). The DSP group is ``pg_collection.cp``.
+    (:class:`~dsp_plugin.megatron.layers.SDPACoreAttention` takes any head count; Transformer Engine's
+    ``TEDotProductAttention`` is built for this rank's share of the heads, :func:`head_share_config`).
+    The DSP group is ``pg_collection.cp``.
     """
 
     def __init__(self, config: DSPTransformerConfig, layer_number: int, attn_mask_type: Any,
@@ -109,6 +113,8 @@ class HeadSwitchCoreAttention(MegatronModule):
                              "self-attention (cross-attention to replicated text stays local)")
         self.layer_number = layer_number
         self.group = pg_collection.cp
+        if getattr(local_attention, "__name__", "") == "TEDotProductAttention":
+            config = head_share_config(config, self.group.size(), self.group.rank())
         self.local = local_attention(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
                                      attention_type=attention_type, attention_dropout=attention_dropout,
                                      softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
@@ -133,14 +139,30 @@ class HeadSwitchCoreAttention(MegatronModule):
         return out.flatten(3).flatten(0, 1)
 
 
+def head_share_config(config: DSPTransformerConfig, n: int, rank: int) -> DSPTransformerConfig:
+    """A copy of ``config`` whose heads per TP rank are those DSP rank ``rank`` of ``n`` holds after the head switch
+    (query heads and K/V groups, ``heads.local_head_counts``): Transformer Engine's core attention is built for a
+    fixed head count and checks it on every call. Every rank must hold a head (TE takes no empty head dim), which
+    every rank checks alike."""
+    import copy
+
+    tp = config.tensor_model_parallel_size
+    heads, kv_heads = config.num_attention_heads // tp, (config.num_query_groups or config.num_attention_heads) // tp
+    if heads < n:
+        raise ValueError(f"DSPFullAttentionLayer: the Transformer Engine core attention needs a head on every DSP "
+                         f"rank, but {heads} heads per TP rank (num_attention_heads {config.num_attention_heads} / "
+                         f"tp {tp}) over dsp size {n} leave ranks without one; use --dsp-size <= {heads} or "
+                         "--transformer-impl local (torch SDPA takes an empty head dim)")
+    local_heads, local_kv = local_head_counts(heads, kv_heads, n, rank)
+    share = copy.copy(config)  # no re-validation: only the two head counts differ
+    share.num_attention_heads, share.num_query_groups = local_heads * tp, local_kv * tp
+    return share
+
+
 def _with_head_switch(submodules: Any) -> Any:
     """The layer's submodules with the self-attention's core attention wrapped in the head switch."""
     attention = submodules.self_attention
     local = attention.submodules.core_attention
-    if getattr(local, "__name__", "") == "TEDotProductAttention":
-        raise ValueError("DSPFullAttentionLayer: the Transformer Engine core attention is built for the config's "
-                         "heads per TP rank, and a head shard holds fewer; use --transformer-impl local (torch "
-                         "SDPA, CPU and GPU) for models with full-attention layers")
     core = partial(HeadSwitchCoreAttention, local_attention=local)
     self_attention = ModuleSpec(module=attention.module, params=attention.params,
                                 submodules=dataclasses.replace(attention.submodules, core_attention=core))
