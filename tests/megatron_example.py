@@ -90,6 +90,8 @@ def dropout_case(rank: int, world_size: int) -> dict[str, Any]:
         blocks[1].load_state_dict(blocks[0].state_dict())
         torch.manual_seed(3)  # the same CPU generator on both ranks
         mask = blocks[0].layers[0]._bias_dropout(torch.ones(6, 2, 16), None)
+        q, k, v = (torch.randn(5, 2, 4, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        attention = blocks[0].layers[0].self_attention.core_attention(q, k, v, None)  # the same q, k, v on both
         gen = torch.Generator().manual_seed(1)
         video = torch.randn(2, 4, 6, 16, generator=gen).requires_grad_()  # the reentrant checkpoint needs a grad
         cond, text = torch.randn(2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
@@ -103,7 +105,7 @@ def dropout_case(rank: int, world_size: int) -> dict[str, Any]:
         blocks[0].eval()
         with torch.no_grad():
             plain = blocks[0](hidden_states=split_video_tokens(video, config), attention_mask=cond, context=text)
-        return {"mask": mask.numpy().copy(), "grads": grads,
+        return {"mask": mask.numpy().copy(), "attention": attention.numpy().copy(), "grads": grads,
                 "dropout_changes_output": (outs[0] - plain).abs().max().item(),
                 "recompute_output_diff": (outs[0] - outs[1]).abs().max().item()}
     finally:

@@ -68,8 +68,8 @@ def test_documented_own_model_example_dsp2_equals_dsp1(two_ranks: list) -> None:
 
 
 def test_dropout_masks_differ_between_shards_and_survive_recompute(two_ranks: list) -> None:
-    """Megatron seeds the ranks of a DSP group alike; each shard still draws its own hidden-dropout mask, and
-    full recompute redraws the first run's masks (the same output and gradients as without recompute)."""
+    """Megatron seeds the ranks of a DSP group alike; each shard still draws its own hidden- and attention-dropout
+    masks, and full recompute redraws the first run's masks (the same output and gradients as without it)."""
     rank0, rank1 = (result[1] for result in two_ranks)
     for result in (rank0, rank1):
         assert result["dropout_changes_output"] > 1e-3  # dropout is on
@@ -81,6 +81,7 @@ def test_dropout_masks_differ_between_shards_and_survive_recompute(two_ranks: li
     print(f"\nhidden dropout 0.5 on 2 x 192 ones: dropped {dropped}, masks equal on "
           f"{int((rank0['mask'] == rank1['mask']).sum())} of {rank0['mask'].size} elements")
     assert 0 < min(dropped) and not np.array_equal(rank0["mask"], rank1["mask"])
+    assert not np.allclose(rank0["attention"], rank1["attention"])  # attention dropout: each shard its own mask
 
 
 def test_adaln_zero_initialisation_in_both_models(one_rank: None) -> None:
