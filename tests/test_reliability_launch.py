@@ -99,7 +99,7 @@ def test_train_deepspeed_preflight_names_the_fix(tmp_path: Path, monkeypatch: py
 def test_megatron_load_of_nothing_is_refused_unless_it_is_the_save_directory(tmp_path: Path) -> None:
     """Megatron's auto-resume idiom (the same ``--save D --load D`` on every run, the first included) starts
     fresh and says so; ``--load`` of another directory without a checkpoint is refused."""
-    from dsp_plugin.megatron.arguments import check_load_path
+    from dsp_plugin.megatron.resume import check_load_path
 
     def args(load: object, save: object = None, allow: bool = False) -> Namespace:
         return Namespace(load=load, save=save, allow_fresh_start=allow, ckpt_step=None)

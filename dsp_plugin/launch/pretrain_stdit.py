@@ -28,7 +28,8 @@ from megatron.core.enums import ModelType
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.arguments import parse_and_validate_args
 
-from dsp_plugin.megatron.arguments import add_dsp_arguments, add_load_arguments, check_load_path
+from dsp_plugin.megatron.arguments import add_dsp_arguments
+from dsp_plugin.megatron.resume import add_load_arguments, check_load_path
 from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers
 from dsp_plugin.megatron.flops import install_flops_formula
 from dsp_plugin.megatron.steps import (

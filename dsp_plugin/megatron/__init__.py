@@ -1,6 +1,7 @@
 """Megatron-LM integration: ``--sequence-parallel-mode dsp``.
 
-- ``arguments``: the flag and ``--dsp-size`` through ``extra_args_provider``, validated at parse time.
+- ``arguments``: the flag and ``--dsp-size`` through ``extra_args_provider``, validated at parse time;
+  ``resume``: ``--load`` of nothing refused unless it is the ``--save`` directory (auto-resume).
 - ``groups``: DSP in parallel_state's context-parallel slot; a ``Topology`` over Megatron's groups.
 - ``config``: ``DSPTransformerConfig`` (attend pattern, RoPE, adaLN-single; no geometry) and the shard rules.
 - ``dsp_layer``: ``DSPSpatialTemporalLayer``, a ``TransformerLayer`` that switches the shard

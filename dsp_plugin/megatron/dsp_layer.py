@@ -6,7 +6,7 @@ modulation and cross-attention to text. Shapes (``B`` batch, ``T`` frames,
 
     in   [T_x * S_x, B, D]     Megatron's layout, tokens (t, s) row-major, one of T/S sharded
     ->   [B, T_x, S_x, D]      if sharded along the attend dim: dynamic_switch (one all-to-all)
-    ->   adaLN: x + gate1 * SelfAttn(fold(norm(x) * (1 + scale1) + shift1))
+    ->   adaLN: x + gate1 * SelfAttn(norm(fold(x)) * (1 + scale1) + shift1)
          fold: [B, T, S_l, D] -> [T, B * S_l, D] (temporal) or [B, T_l, S, D] -> [S, B * T_l, D]
     ->   [T_x * S_x, B, D]     x + CrossAttn(norm(x), text)   (queries local, text replicated: no comm)
     ->   x + gate2 * MLP(norm(x) * (1 + scale2) + shift2)
