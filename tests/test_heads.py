@@ -253,7 +253,7 @@ def test_straddling_kv_heads_are_repeated_without_an_index_tensor(monkeypatch: p
     """A rank whose query heads straddle K/V groups repeats its K/V heads to one per query head; no index tensor is
     built for it (on a GPU that is a blocking host-to-device copy on every call), and the result and its gradient
     are ``index_select``'s."""
-    from dsp_plugin.heads import _local_kv_index, repeat_heads
+    from dsp_plugin.head_switch.exchange import _local_kv_index, repeat_heads
 
     index = _local_kv_index(10, 2, 4, 1)  # H=10, H_kv=2 at N=4: rank 1 holds query heads 3-5, K/V heads 0-1
     assert index == [0, 0, 1]
