@@ -42,16 +42,12 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
 from dsp_plugin import layout
 from dsp_plugin.comm import dynamic_switch
-from dsp_plugin.megatron.dropout import sharded_dropout
-from dsp_plugin.megatron.recompute import SwitchReplayCache, first_layer_of_a_chunk
-from dsp_plugin.megatron.rope import factorized_table
 from dsp_plugin.megatron.config import (
     ATTEND,
     FRAME_DIM,
@@ -63,6 +59,9 @@ from dsp_plugin.megatron.config import (
     output_shard_dim,
     rope_dims,
 )
+from dsp_plugin.megatron.dropout import sharded_dropout
+from dsp_plugin.megatron.recompute import SwitchReplayCache, first_layer_of_a_chunk
+from dsp_plugin.megatron.rope import factorized_table
 
 __all__ = ["DSPSpatialTemporalLayer", "attach_video_grid", "sincos_positions", "video_grid"]
 
