@@ -140,10 +140,10 @@ class HeadSwitchCoreAttention(MegatronModule):
 
 
 def head_share_config(config: DSPTransformerConfig, n: int, rank: int) -> DSPTransformerConfig:
-    """A copy of ``config`` whose heads per TP rank are those DSP rank ``rank`` of ``n`` holds after the head switch
-    (query heads and K/V groups, ``heads.local_head_counts``): Transformer Engine's core attention is built for a
-    fixed head count and checks it on every call. Every rank must hold a head (TE takes no empty head dim), which
-    every rank checks alike."""
+    """A copy of ``config`` whose heads per TP rank are those DSP rank ``rank`` of ``n`` holds after the head
+    switch (query heads and K/V groups, ``head_switch.local_head_counts``): Transformer Engine's core attention
+    is built for a fixed head count and checks it on every call. Every rank must hold a head (TE takes no empty
+    head dim), which every rank checks alike."""
     import copy
 
     tp = config.tensor_model_parallel_size
