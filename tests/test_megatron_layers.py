@@ -223,3 +223,26 @@ def test_te_core_attention_behind_the_head_switch_equals_sdpa(one_rank: None) ->
     cond, text = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for shape in ((2, 256), (4, 2, 256)))
     block(hidden_states=x, attention_mask=cond, context=text).float().square().mean().backward()
     assert torch.isfinite(x.grad.float()).all()
+
+
+def test_every_layer_kind_hands_linear_qkv_a_contiguous_fold(one_rank: None) -> None:
+    """The spatial, temporal and full folds are strided views of the layer's activation; the layer norms them in
+    place, so ``linear_qkv`` (Transformer Engine copies a strided input) gets a contiguous tensor (batch 2: with
+    one sample some folds are contiguous by accident)."""
+    from dsp_plugin.megatron.groups import install_topology
+    from dsp_plugin.megatron.model import VideoShape
+    from dsp_plugin.megatron.steps import build_model, dsp_config
+
+    install_topology()
+    video = VideoShape(4, 3, 2, 2)
+    config = dsp_config(video, num_layers=3, hidden_size=16, num_attention_heads=4, hidden_dropout=0.0,
+                        attention_dropout=0.0, use_cpu_initialization=True,
+                        dsp_attend_pattern=("spatial", "temporal", "full"))
+    model = build_model(config, video, text_dim=8, text_len=3)
+    seen: list[tuple[int, bool]] = []
+    for layer in model.decoder.layers:
+        layer.self_attention.linear_qkv.register_forward_pre_hook(
+            lambda module, args, number=layer.layer_number: seen.append((number, args[0].is_contiguous())))
+    with cuda_shim():
+        model(torch.randn(2, 4, 3, 2, 2), torch.tensor([5, 9]), torch.randn(2, 3, 8))
+    assert seen == [(1, True), (2, True), (3, True)], seen
