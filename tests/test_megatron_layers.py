@@ -73,9 +73,9 @@ def test_the_shim_pins_the_cpu_path_where_cuda_is_present(monkeypatch: pytest.Mo
     from dsp_plugin.megatron.model import VideoShape
     from dsp_plugin.megatron.steps import build_model, dsp_config
 
-    monkeypatch.setattr(cpu, "_REAL_CUDA", [True])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # a GPU machine's answer
+    assert cpu.cuda_is_real()  # what the launch asks: it would run on the GPU here
     install_topology()
     video = VideoShape(4, 2, 2, 2)
     with cuda_shim():
