@@ -69,7 +69,7 @@ ARGS=(
     --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$ITERS"
     --lr 1e-3 --min-lr 1e-3 --lr-decay-style constant --weight-decay 0.0 --clip-grad 0
     --hidden-dropout 0 --attention-dropout 0 --normalization LayerNorm
-    --transformer-impl "$IMPL" --no-gradient-accumulation-fusion --no-bias-dropout-fusion --no-bias-gelu-fusion
+    --transformer-impl "$IMPL" --no-gradient-accumulation-fusion --no-bias-dropout-fusion
     --no-masked-softmax-fusion --no-persist-layer-norm --use-cpu-initialization
     --distributed-backend "$BACKEND" --distributed-timeout-minutes 5
     --seed "$SEED" --init-seed "$SEED" --log-interval 1 --eval-iters "$EVAL_ITERS" --eval-interval "$EVAL_INTERVAL"

@@ -15,6 +15,7 @@ megatron is the dominant cost on CI.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,8 +30,10 @@ GLOBAL_BATCH = 2
 SEED = 1234
 LR = 0.1
 
-#: Full recompute: False (none), True (``uniform``, 1 layer per chunk) or ``(recompute_method, recompute_num_layers)``.
-Recompute = bool | tuple[str, int]
+#: Recompute: False (none); full recompute: True (``uniform``, 1 layer per chunk), ``(recompute_method,
+#: recompute_num_layers)``, or ``"distributed"`` (``uniform`` 1 with ``--distribute-saved-activations``: the
+#: checkpoint keeps 1/TP of its input); ``"selective"`` (``--recompute-granularity selective``, ``core_attn``).
+Recompute = bool | str | tuple[str, int]
 #: name -> (tp, dsp, pp, micro_batch_size, num_microbatches, recompute), on 4 ranks
 COMPOSITIONS: dict[str, tuple[int, int, int, int, int, Recompute]] = {
     "DSP=4": (1, 4, 1, 2, 1, False),
@@ -38,11 +41,16 @@ COMPOSITIONS: dict[str, tuple[int, int, int, int, int, Recompute]] = {
     "TP=2 x DSP=2": (2, 2, 1, 2, 1, False),
     "PP=2 x DSP=2": (1, 2, 2, 1, 2, False),
     "PP=2 x DSP=2 + full recompute": (1, 2, 2, 1, 2, True),
+    "TP=2 x DSP=2 + full recompute, distributed saved activations": (2, 2, 1, 2, 1, "distributed"),
 }
 #: OpenSora 1.2's features (the "paper" variant): RoPE (temporal and 2-D spatial), qk-layernorm,
 #: adaLN-single, captions of varying length; "paper+buckets" also changes (frames, height, width) every
 #: step: T = 6, 4, 5 and S = 6, 6, 4 split unevenly over 4 DSP ranks
-VARIANTS = ("plain", "paper", "paper+buckets")
+VARIANTS = ("plain", "paper", "paper+buckets", "mixed", "mixed+rope")
+#: "mixed": layer kinds (spatial, full, temporal, full): the full layer 2 runs on the T shard the spatial layer
+#: leaves, the full layer 4 on the S shard after the temporal layer's switch; "mixed+rope" adds RoPE (temporal
+#: in the temporal layer, 3-D in the full layers) with hidden 32 (head dim 8: 2 + 1 + 1 rotated pairs)
+MIXED_PATTERN = ("spatial", "full", "temporal", "full")
 BUCKETS = ((6, 2, 3), (4, 3, 2), (5, 2, 2))
 #: the paper variant's layouts: 2 ranks, then 4 ranks
 PAPER_TWO_RANK = {"DSP=2": (1, 2, 1, 2, 1, False), "DSP=2 + full recompute": (1, 2, 1, 2, 1, True)}
@@ -69,14 +77,23 @@ def tiny_config(tp: int, pp: int, *, recompute: Recompute = False, dtype: str = 
     method, layers = recompute if isinstance(recompute, tuple) else ("uniform", 1)
     recompute_args = dict(recompute_granularity="full", recompute_method=method,
                           recompute_num_layers=layers) if recompute else {}
+    if recompute == "selective":
+        recompute_args = dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+    elif recompute == "distributed":
+        recompute_args["distribute_saved_activations"] = True
     half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype)
     if variant not in VARIANTS:
         raise ValueError(f"variant {variant!r} is not one of {VARIANTS}")
-    if variant != "plain":  # --position-embedding-type rope --spatial-rope --qk-layernorm --adaln-single
+    if variant.startswith("paper"):  # --position-embedding-type rope --spatial-rope --qk-layernorm --adaln-single
         recompute_args |= dict(position_embedding_type="rope", dsp_spatial_rope=True, qk_layernorm=True,
                                dsp_adaln_single=True)
+    if variant.startswith("mixed"):
+        recompute_args["dsp_attend_pattern"] = MIXED_PATTERN
+    if variant == "mixed+rope":
+        recompute_args["position_embedding_type"] = "rope"
     return dsp_config(
-        VIDEO, num_layers=4, hidden_size=16, num_attention_heads=4, ffn_hidden_size=32,
+        VIDEO, num_layers=4, hidden_size=32 if variant == "mixed+rope" else 16, num_attention_heads=4,
+        ffn_hidden_size=32,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=1,
         pipeline_dtype=half or torch.float32, params_dtype=torch.float32, bf16=dtype == "bf16", fp16=dtype == "fp16",
         variable_seq_lengths=pp > 1, moe_token_dispatcher_type="alltoall",  # required by variable lengths
@@ -90,18 +107,22 @@ def dataset(steps: int, variant: str = "plain") -> Any:
     from dsp_plugin.megatron.steps import SyntheticVideoDataset
 
     return SyntheticVideoDataset(VIDEO, GLOBAL_BATCH * steps, seed=SEED, text_dim=TEXT_DIM, text_len=TEXT_LEN,
-                                 varying_captions=variant != "plain",
+                                 varying_captions=variant.startswith("paper"),
                                  buckets=BUCKETS if variant == "paper+buckets" else (), bucket_size=GLOBAL_BATCH)
 
 
-def reference_run(steps: int, variant: str = "plain") -> dict[str, Any]:
-    """The plain-torch oracle: losses, Megatron-named full gradients and outputs ``[B, T, S, C]`` per step."""
+def reference_run(steps: int, variant: str = "plain",
+                  oracle: Callable[[Any], torch.nn.Module] | None = None) -> dict[str, Any]:
+    """The plain-torch oracle: losses, Megatron-named full gradients and outputs ``[B, T, S, C]`` per step.
+
+    ``oracle(config)``: the reference model for the variant's config (default: ``STDiT``, spatial and temporal
+    blocks alternating), before its weights are loaded."""
     from dsp_plugin.megatron.steps import reference_weights
     from dsp_plugin.megatron.weights import megatron_names, reference_config
     from dsp_plugin.models.stdit import STDiT
 
     config = tiny_config(1, 1, variant=variant)
-    model = STDiT(reference_config(config, VIDEO.channels, TEXT_DIM))
+    model = oracle(config) if oracle else STDiT(reference_config(config, VIDEO.channels, TEXT_DIM))
     model.load_state_dict(reference_weights(config, VIDEO, TEXT_DIM, SEED))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     data = dataset(steps, variant)
@@ -230,14 +251,24 @@ def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, i
                         else None, p.main_grad.detach().numpy().copy())  # numpy: pickled by value
                     for name, p in model.named_parameters()})
             hook.remove()
+            kinds = ["full" if getattr(layer, "attend_dim", 0) is None else "factorized"
+                     for layer in model.decoder.layers]
             out.append({"losses": losses, "grads": grads, "outputs": outputs, "tp_rank": tp_rank,
                         "collectives": collectives, "stage_layers": len(model.decoder.layers),
-                        "first_stage": model.pre_process,
+                        "first_stage": model.pre_process, "kinds": kinds,
                         "bad_args_error": bad_args_error})
         finally:
             ps.destroy_model_parallel()
             set_topology(None)
     return out
+
+
+def run_variants(rank: int, world_size: int, groups: list[tuple[str, list[tuple[int, int, int, int, int, Recompute]]]],
+                 steps: int) -> list[dict[str, Any]]:
+    """:func:`run_layouts` for several ``(variant, layouts)`` in one spawn (importing megatron dominates the cost);
+    the results in order."""
+    return [result for variant, layouts in groups
+            for result in run_layouts(rank, world_size, layouts, steps, None, variant)]
 
 
 def assemble(per_rank: list[dict[str, Any]], step: int) -> dict[str, torch.Tensor]:

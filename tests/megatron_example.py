@@ -61,3 +61,58 @@ def run_example(rank: int, world_size: int, dsp_sizes: list[int]) -> list[dict[s
             ps.destroy_model_parallel()
             set_topology(None)
     return out
+
+
+def dropout_case(rank: int, world_size: int) -> dict[str, Any]:
+    """DSP=2 over the world with dropout 0.5: the hidden-dropout mask each shard draws, and a 2-layer block's
+    parameter gradients without and with full recompute (the same draws: the checkpoint restores the CPU
+    generator the masks are seeded from), with the eval-mode output difference (dropout is on)."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from dsp_plugin.megatron import DSPTransformerConfig, dsp_layer_spec, split_video_tokens
+    from dsp_plugin.megatron.cpu import install_cuda_shim
+    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
+    from dsp_plugin.topology import set_topology
+
+    install_cuda_shim()
+    initialize_dsp_model_parallel(dsp=2, timeout_minutes=2)
+    try:
+        blocks = []
+        for recompute in ({}, {"recompute_granularity": "full", "recompute_method": "uniform",
+                              "recompute_num_layers": 1}):
+            config = DSPTransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=4,
+                                          use_cpu_initialization=True, hidden_dropout=0.5, attention_dropout=0.5,
+                                          **recompute)
+            torch.manual_seed(0)
+            blocks.append(TransformerBlock(config, dsp_layer_spec("local"), post_layer_norm=False))
+        blocks[1].load_state_dict(blocks[0].state_dict())
+        torch.manual_seed(3)  # the same CPU generator on both ranks
+        mask = blocks[0].layers[0]._bias_dropout(torch.ones(6, 2, 16), None)
+        q, k, v = (torch.randn(5, 2, 4, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+        attention = blocks[0].layers[0].self_attention.core_attention(q, k, v, None)  # the same q, k, v on both
+        gen = torch.Generator().manual_seed(1)
+        video = torch.randn(2, 4, 6, 16, generator=gen).requires_grad_()  # the reentrant checkpoint needs a grad
+        cond, text = torch.randn(2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+        grads, outs = [], []
+        for block in blocks:
+            torch.manual_seed(4)
+            out = block(hidden_states=split_video_tokens(video, config), attention_mask=cond, context=text)
+            out.square().mean().backward()
+            outs.append(out.detach())
+            grads.append({n: p.grad.numpy().copy() for n, p in block.named_parameters()})
+        blocks[0].eval()
+        with torch.no_grad():
+            plain = blocks[0](hidden_states=split_video_tokens(video, config), attention_mask=cond, context=text)
+        return {"mask": mask.numpy().copy(), "attention": attention.numpy().copy(), "grads": grads,
+                "dropout_changes_output": (outs[0] - plain).abs().max().item(),
+                "recompute_output_diff": (outs[0] - outs[1]).abs().max().item()}
+    finally:
+        ps.destroy_model_parallel()
+        set_topology(None)
+
+
+def example_and_dropout(rank: int, world_size: int, dsp_sizes: list[int]) -> tuple[list[dict[str, Any]], dict]:
+    """One 2-rank spawn for both (importing megatron dominates the cost)."""
+    return run_example(rank, world_size, dsp_sizes), dropout_case(rank, world_size)

@@ -1,13 +1,14 @@
-"""Worker and oracle for ``tests/test_megatron_full_attention.py``: a model mixing factorized and full layers.
+"""Oracle and workers for ``tests/test_megatron_full_attention.py``: a model mixing factorized and full layers.
 
 The oracle is the plain-torch reference ``STDiT`` with its blocks laid out as the
 pattern says: ``AxialBlock``s attending along S or T, and :class:`FullBlock`s,
-``AxialBlock``s applied to the ``T * S`` tokens flattened into one sequence. It
-trains with torch SGD on the whole global batch in one process; the Megatron
-runs load its weights and train through real megatron-core (a stock
-``TransformerBlock`` of ``DSPVideoLayer``s, DDP over DP x CP, the pipeline
-schedules, ``finalize_model_grads``), as ``megatron_compositions`` does for the
-factorized model.
+``AxialBlock``s applied to the ``T * S`` tokens flattened into one sequence, with
+3-D RoPE (written here from the reference's ``rope_angles``, sharing no code with
+``dsp_plugin.megatron.rope``) when the variant has RoPE. It trains with torch SGD on
+the whole global batch in one process (``megatron_compositions.reference_run``); the
+Megatron layouts load its weights and train through real megatron-core
+(``megatron_compositions.run_layouts``: a stock ``TransformerBlock`` of
+``DSPVideoLayer``s, DDP over DP x CP, the pipeline schedules, ``finalize_model_grads``).
 """
 
 from __future__ import annotations
@@ -17,119 +18,60 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsp_plugin.accounting import CommAccounting
-from dsp_plugin.models.stdit import AxialBlock, STDiT, STDiTConfig
-from tests.megatron_compositions import GLOBAL_BATCH, LR, SEED, TEXT_DIM, TEXT_LEN, VIDEO, dataset, tiny_config
+from dsp_plugin.models.stdit import AxialBlock, STDiT, STDiTConfig, rope_angles
+from tests.megatron_compositions import MIXED_PATTERN, TEXT_DIM, VIDEO, run_variants
 
-#: layer 1 spatial (entry shard T), 2 full on the T shard, 3 temporal (switch T -> S), 4 full on the S shard
-PATTERN = ("spatial", "full", "temporal", "full")
+PATTERN = MIXED_PATTERN
 
 
 class FullBlock(AxialBlock):
-    """An ``AxialBlock`` over every token of the sample: ``[B, T, S, D] -> [B, T * S, D]``, attend, back."""
+    """An ``AxialBlock`` over every token of the sample: ``[B, T, S, D] -> [B, T * S, D]``, attend, back.
 
-    def __init__(self, config: STDiTConfig) -> None:
+    ``patch_grid=(H, W)``: 3-D RoPE on q and k: of a head's ``d / 2`` rotated pairs (``(i, i + d/2)``), the
+    first ``d/2 - 2 * (d // 6)`` turn by the token's frame, the next ``d // 6`` by its patch row, the last
+    ``d // 6`` by its column, each axis with its own frequencies (Wan's split).
+    """
+
+    def __init__(self, config: STDiTConfig, patch_grid: tuple[int, int] | None = None) -> None:
         super().__init__(config, 1, add_pos_embed=False)
+        self.patch_grid = patch_grid
+        self.rope = patch_grid is not None
 
-    def forward(self, x: torch.Tensor, c: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor:
-        return super().forward(x.flatten(1, 2), c, y).view_as(x)
+    def _angles(self, length: int, width: int | None, device: torch.device) -> torch.Tensor:
+        height, width = self.patch_grid
+        token = torch.arange(length, device=device)
+        frame, row, column = token // (height * width), token % (height * width) // width, token % width
+        spatial = self.head_dim // 6
+        pairs = (self.head_dim // 2 - 2 * spatial, spatial, spatial)
+        return torch.cat([rope_angles(p, n, self.rope_base) for p, n in zip((frame, row, column), pairs)], dim=-1)
+
+    def forward(self, x: torch.Tensor, c: torch.Tensor, y: torch.Tensor | None = None, **kwargs: Any,
+                ) -> torch.Tensor:
+        return super().forward(x.flatten(1, 2), c, y, **kwargs).view_as(x)
 
 
-def reference_model() -> STDiT:
-    """The oracle with ``PATTERN``'s blocks and the weights ``build_model(seed=SEED)`` loads (any pattern)."""
-    from dsp_plugin.megatron.steps import reference_weights
+def reference_model(config: Any) -> STDiT:
+    """The oracle with ``PATTERN``'s blocks for a mixed variant's Megatron config (weights loaded by the caller)."""
     from dsp_plugin.megatron.weights import reference_config
 
-    config = mixed_config(1, 1)
     model = STDiT(reference_config(config, VIDEO.channels, TEXT_DIM, weights_only=True))
+    rope = config.position_embedding_type == "rope"
     blocks, positioned = [], set()
     for kind in PATTERN:  # positions at the first block along each dim, as the Megatron layers add them
         if kind == "full":
-            blocks.append(FullBlock(model.config))
+            blocks.append(FullBlock(model.config, (VIDEO.height, VIDEO.width) if rope else None))
             continue
         dim = 2 if kind == "spatial" else 1
         blocks.append(AxialBlock(model.config, dim, add_pos_embed=dim not in positioned))
         positioned.add(dim)
     model.blocks = nn.ModuleList(blocks)
-    model.load_state_dict(reference_weights(config, VIDEO, TEXT_DIM, SEED))
     return model
 
 
-def mixed_config(tp: int, pp: int, *, recompute: bool = False) -> Any:
-    config = tiny_config(tp, pp, recompute=recompute)
-    config.dsp_attend_pattern = PATTERN
-    return config
-
-
-def reference_run(steps: int) -> dict[str, Any]:
-    """Losses and Megatron-named full gradients per step of the oracle."""
-    from dsp_plugin.megatron.weights import megatron_names
-
-    model = reference_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    data = dataset(steps)
-    losses, grads = [], []
-    for step in range(steps):
-        batch = torch.utils.data.default_collate([data[step * GLOBAL_BATCH + i] for i in range(GLOBAL_BATCH)])
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(batch["latents"], batch["timestep"], batch["text"]), batch["target"])
-        loss.backward()
-        losses.append(loss.item())
-        grads.append(megatron_names({n: p.grad.clone() for n, p in model.named_parameters()},
-                                    model.config.num_heads))
-        optimizer.step()
-    return {"losses": losses, "grads": grads}
-
-
-def run_layouts(rank: int, world_size: int, layouts: list[tuple[int, int, int, int, int, bool]],
-                steps: int) -> list[dict[str, Any]]:
-    """Per layout ``(tp, dsp, pp, micro batch, micro batches, recompute)``: losses, main_grads, step-0 collectives."""
-    from megatron.core import parallel_state as ps
-    from megatron.training.datasets.data_samplers import MegatronPretrainingSampler
-
-    from dsp_plugin.megatron.cpu import install_cuda_shim, train_step, wrap_ddp
-    from dsp_plugin.megatron.full_attention import DSPFullAttentionLayer
-    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
-    from dsp_plugin.megatron.steps import build_model
-    from dsp_plugin.megatron.weights import global_parameter_name
-    from dsp_plugin.topology import set_topology
-
-    install_cuda_shim()
-    out = []
-    for tp, dsp, pp, mbs, num_mb, recompute in layouts:
-        initialize_dsp_model_parallel(tp=tp, dsp=dsp, pp=pp, timeout_minutes=2)
-        try:
-            config = mixed_config(tp, pp, recompute=recompute)
-            model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN, seed=SEED,
-                                pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
-            ddp = wrap_ddp(model, config)
-            optimizer = torch.optim.SGD(ddp.module.parameters(), lr=LR)
-            data = dataset(steps)
-            sampler = MegatronPretrainingSampler(
-                total_samples=len(data), consumed_samples=0, micro_batch_size=mbs,
-                data_parallel_rank=ps.get_data_parallel_rank(), data_parallel_size=ps.get_data_parallel_world_size())
-            batches = iter(torch.utils.data.DataLoader(data, batch_sampler=sampler))
-            losses, grads, collectives = [], [], None
-            tp_rank = ps.get_tensor_model_parallel_rank()
-            for step in range(steps):
-                with CommAccounting(activations=False) as acct:
-                    losses.append(train_step([ddp], batches, optimizer, num_microbatches=num_mb,
-                                             micro_batch_size=mbs, seq_length=VIDEO.tokens))
-                if step == 0:
-                    collectives = [(r.op, r.group_size, r.phase) for r in acct.records]
-                grads.append({
-                    global_parameter_name(name, model.layer_offset): (
-                        tp_rank, getattr(p, "partition_dim", None) if getattr(p, "tensor_model_parallel", False)
-                        else None, p.main_grad.detach().numpy().copy())
-                    for name, p in model.named_parameters()})
-            kinds = ["full" if isinstance(layer, DSPFullAttentionLayer) else "factorized"
-                     for layer in model.decoder.layers]
-            out.append({"losses": losses, "grads": grads, "tp_rank": tp_rank, "collectives": collectives,
-                        "kinds": kinds, "stage_layers": len(model.decoder.layers)})
-        finally:
-            ps.destroy_model_parallel()
-            set_topology(None)
-    return out
+def two_ranks(rank: int, world_size: int, groups: list, steps: int) -> dict[str, Any]:
+    """The 2-rank spawn: the core attention alone (:func:`core_attention_case`) and the layouts of ``groups``."""
+    return {"core_attention": core_attention_case(rank, world_size),
+            "layouts": run_variants(rank, world_size, groups, steps)}
 
 
 def core_attention_case(rank: int, n: int) -> list[float]:
@@ -145,7 +87,7 @@ def core_attention_case(rank: int, n: int) -> list[float]:
     from megatron.core.transformer.enums import AttnMaskType
 
     from dsp_plugin.megatron.config import FRAME_DIM, DSPTransformerConfig, input_shard_dim
-    from dsp_plugin.megatron.full_attention import HeadSwitchCoreAttention, attention_grid
+    from dsp_plugin.megatron.full_attention import HeadSwitchCoreAttention, grid_carrier
     from dsp_plugin.megatron.layers import SDPACoreAttention
 
     frames, patches, batch, heads, groups, size = 5, 3, 2, 4, 2, 8
@@ -169,8 +111,7 @@ def core_attention_case(rank: int, n: int) -> list[float]:
             return t.tensor_split(n, dim=dim)[rank].flatten(0, 1)
 
         local = [shard(t).clone().requires_grad_(True) for t in full]
-        with attention_grid((frames, patches), input_shard_dim(config, 2)):
-            out = ours(*local, None)
+        out = ours(*local, grid_carrier((frames, patches), input_shard_dim(config, 2)))
         out.backward(shard(grad))
         whole = [t.flatten(0, 1).clone().requires_grad_(True) for t in full]
         expected = reference(*whole, None)

@@ -14,10 +14,17 @@ VALIDATION = re.compile(r"validation loss at iteration (\d+)( on validation set)
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
 
 
+def cpu_env() -> dict[str, str]:
+    """This environment for a launch on the CPU path, as on CI, also on a GPU machine: no GPU is visible (the
+    launch then picks gloo and the CPU shim, and the measured single-process losses apply); no MASTER_PORT (the
+    launch picks a free port itself)."""
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
+    return env | {"CUDA_VISIBLE_DEVICES": ""}
+
+
 def launch(*extra: str, iters: int = 3, **knobs: str) -> tuple[dict[int, float], str]:
     """``{iteration: loss}`` logged by the launch, and its stdout; fails on a non-zero exit."""
-    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}  # the launch picks a free port itself
-    env |= dict(PYTHON=sys.executable, ITERS=str(iters), OMP_NUM_THREADS="1", **knobs)
+    env = cpu_env() | dict(PYTHON=sys.executable, ITERS=str(iters), OMP_NUM_THREADS="1", **knobs)
     proc = subprocess.run(["bash", str(ROOT / "launch" / "run_megatron.sh"), *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, f"launch {knobs} {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

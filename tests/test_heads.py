@@ -247,3 +247,24 @@ def _docs_example(rank: int, n: int) -> bool:
 
 def test_the_api_example_runs_on_two_ranks() -> None:
     assert run_distributed(_docs_example, 2) == [True, True]
+
+
+def test_straddling_kv_heads_are_repeated_without_an_index_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose query heads straddle K/V groups repeats its K/V heads to one per query head; no index tensor is
+    built for it (on a GPU that is a blocking host-to-device copy on every call), and the result and its gradient
+    are ``index_select``'s."""
+    from dsp_plugin.head_switch.exchange import _local_kv_index, repeat_heads
+
+    index = _local_kv_index(10, 2, 4, 1)  # H=10, H_kv=2 at N=4: rank 1 holds query heads 3-5, K/V heads 0-1
+    assert index == [0, 0, 1]
+    t = torch.randn(5, 2, 2, 3, requires_grad=True)
+    built: list[object] = []
+    real_tensor = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: built.append(a) or real_tensor(*a, **k))
+    ours = repeat_heads(t, index, 2)
+    monkeypatch.undo()
+    assert built == []
+    expected = t.index_select(2, torch.tensor(index))
+    assert torch.equal(ours, expected)
+    grad = torch.randn(expected.shape)
+    assert torch.equal(torch.autograd.grad(ours, t, grad)[0], torch.autograd.grad(expected, t, grad)[0])

@@ -85,6 +85,12 @@ GEOMETRY = ["--num-frames", "6", "--latent-height", "2", "--latent-width", "3", 
      "FP8 (--fp8-recipe delayed) needs every GEMM input and weight with rows divisible by 8 and last dim "
      "divisible by 16 (Transformer Engine's rule) on every DSP rank (dsp size 4): linear_qkv input: spatial "
      "layer tokens (6 patches x 1 local frames x micro batch 1): 6 rows x 16"),
+    (["--fp8-format", "hybrid", "--dsp-size", "2", "--text-len", "8", "--num-frames", "8", "--latent-width", "4",
+      "--video-buckets", "8,2,4;6,2,3"], 2,  # --num-frames/--latent-* pass; the second bucket does not
+     ("(dsp size 2) in video bucket 6,2,3 (T,H,W) of --video-buckets '8,2,4;6,2,3': linear_qkv input: spatial "
+      "layer tokens (6 patches x 3 local frames x micro batch 1): 18 rows x 16")),
+    (["--transformer-impl", "transformer_engine", "--dsp-size", "4", "--video-buckets", "8,2,4;2,2,3"], 4,
+     "dsp size (4) exceeds the frames (2) or patches (6) of a sample (a --video-buckets entry): some ranks"),
     (["--cuda-graph-impl", "transformer_engine", "--dsp-size", "2"], 2,
      "--cuda-graph-impl transformer_engine: CUDA graphs are not supported with DSP layers"),
     (["--cuda-graph-impl", "local", "--dsp-size", "2"], 2, "--cuda-graph-impl local: CUDA graphs are not supported"),

@@ -17,7 +17,7 @@ pytest.importorskip("megatron.core")
 
 from tests.distributed import run_distributed  # noqa: E402
 from tests.megatron_compositions import SEED, TEXT_DIM, TEXT_LEN, VIDEO, tiny_config  # noqa: E402
-from tests.megatron_example import run_example  # noqa: E402
+from tests.megatron_example import example_and_dropout  # noqa: E402
 
 
 def test_oracle_megatron_model_equals_plain_torch_stdit(one_rank: None) -> None:
@@ -49,8 +49,14 @@ def test_oracle_megatron_model_equals_plain_torch_stdit(one_rank: None) -> None:
     assert all(p.grad.abs().max() > 0 for p in model.parameters())  # every parameter is exercised
 
 
-def test_documented_own_model_example_dsp2_equals_dsp1() -> None:
-    dsp2, dsp1 = run_distributed(run_example, 2, [2, 1], timeout=300)[0]
+@pytest.fixture(scope="module")
+def two_ranks() -> list:
+    """The documented example at DSP=2 and DSP=1, and the dropout case, on 2 ranks (one spawn)."""
+    return run_distributed(example_and_dropout, 2, [2, 1], timeout=300)
+
+
+def test_documented_own_model_example_dsp2_equals_dsp1(two_ranks: list) -> None:
+    dsp2, dsp1 = two_ranks[0][0]
     diff = np.abs(dsp2["out"] - dsp1["out"]).max()
     grad = np.abs(dsp2["video_grad"] - dsp1["video_grad"]).max()
     print(f"\ndocs example: DSP=2 vs DSP=1 max |output diff| = {diff:.1e}, max |input grad diff| = {grad:.1e}")
@@ -59,6 +65,23 @@ def test_documented_own_model_example_dsp2_equals_dsp1() -> None:
     assert dsp1["sharded_calls"] == 0 and dsp2["sharded_calls"] == 4, (dsp1["sharded_calls"], dsp2["sharded_calls"])
     assert diff < 1e-5 and grad < 1e-5
     assert "got rotary_pos_emb but position_embedding_type='learned_absolute'" in dsp2["rope_error"]
+
+
+def test_dropout_masks_differ_between_shards_and_survive_recompute(two_ranks: list) -> None:
+    """Megatron seeds the ranks of a DSP group alike; each shard still draws its own hidden- and attention-dropout
+    masks, and full recompute redraws the first run's masks (the same output and gradients as without it)."""
+    rank0, rank1 = (result[1] for result in two_ranks)
+    for result in (rank0, rank1):
+        assert result["dropout_changes_output"] > 1e-3  # dropout is on
+        assert result["recompute_output_diff"] == 0.0
+        plain, recomputed = result["grads"]
+        for name in plain:
+            np.testing.assert_allclose(recomputed[name], plain[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    dropped = [int((r["mask"] == 0).sum()) for r in (rank0, rank1)]
+    print(f"\nhidden dropout 0.5 on 2 x 192 ones: dropped {dropped}, masks equal on "
+          f"{int((rank0['mask'] == rank1['mask']).sum())} of {rank0['mask'].size} elements")
+    assert 0 < min(dropped) and not np.array_equal(rank0["mask"], rank1["mask"])
+    assert not np.allclose(rank0["attention"], rank1["attention"])  # attention dropout: each shard its own mask
 
 
 def test_adaln_zero_initialisation_in_both_models(one_rank: None) -> None:

@@ -11,7 +11,6 @@ with a larger ``--train-iters`` resumes from it (another DSP size) and logs the 
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
 import sys
@@ -20,16 +19,17 @@ import pytest
 
 pytest.importorskip("megatron.training")
 
-from tests.megatron_launch import ROOT, VALIDATION, launch  # noqa: E402
+from tests.megatron_launch import ROOT, VALIDATION, cpu_env, launch  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def dsp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, float], str, str]:
+    """Megatron's auto-resume idiom: ``--save D --load D`` on an empty D (the first run of a job)."""
     ckpt = str(tmp_path_factory.mktemp("ckpt_dsp2"))
-    losses, out = launch("--save", ckpt, "--save-interval", "2", NPROC="2", DSP="2", EVAL_ITERS="2",
-                         EVAL_INTERVAL="2")
+    losses, out = launch("--save", ckpt, "--load", ckpt, "--save-interval", "2", NPROC="2", DSP="2",
+                         EVAL_ITERS="2", EVAL_INTERVAL="2")
     return losses, out, ckpt
 
 
@@ -43,7 +43,9 @@ SINGLE_PROCESS_PER_ITERATION = {1: 1.600200891, 2: 1.490362883}
 
 
 def test_dsp2_launch_logs_the_single_process_losses(dsp2: tuple) -> None:
+    """Megatron's own defaults, --bias-gelu-fusion included (its fused bias-GELU is the DiT's tanh GELU)."""
     losses = dsp2[0]
+    assert "bias_gelu_fusion ................................ True" in dsp2[1]
     print(f"\nlaunch losses: DSP=2 {losses}, single process (measured) {SINGLE_PROCESS}")
     assert sorted(losses) == [1, 2, 3] and losses[3] < losses[1]
     assert max(abs(SINGLE_PROCESS[i] - losses[i]) for i in losses) < 2e-6, losses
@@ -65,10 +67,18 @@ def test_the_launch_logs_what_dsp_did_in_iteration_1(dsp2: tuple) -> None:
     assert out.count("DSP step traffic") == 1, "only iteration 1 is counted"
 
 
+def test_the_first_run_of_save_d_load_d_starts_fresh_and_says_so(dsp2: tuple) -> None:
+    """The fixture's run is the first of a job using Megatron's auto-resume idiom: it trains (the losses above)
+    and logs that it starts from scratch."""
+    assert "is the --save directory and holds no checkpoint yet: starting from scratch" in dsp2[1]
+
+
 def test_resume_at_another_dsp_size_with_more_iterations(dsp2: tuple) -> None:
-    """The checkpoint was saved by a 3-iteration run; ``--train-iters 4`` changes Megatron's scheduler
+    """The second run of the same ``--save D --load D`` job (at another DSP size, from iteration 2): bit-exact.
+    The checkpoint was saved by a 3-iteration run; ``--train-iters 4`` changes Megatron's scheduler
     (``wd_incr_steps``), which ``run_megatron.sh`` lets the command line win (``LR_SCHEDULE``)."""
-    resumed, out = launch("--load", dsp2[2], "--ckpt-step", "2", iters=4, NPROC="4", DSP="4")
+    resumed, out = launch("--save", dsp2[2], "--load", dsp2[2], "--save-interval", "2", "--ckpt-step", "2", iters=4,
+                          NPROC="4", DSP="4")
     assert "successfully loaded checkpoint" in out and "Unable to load rng state" not in out
     print(f"\nDSP=2 -> DSP=4 resume, 3 -> 4 iterations: iteration 3 loss {resumed[3]!r} vs uninterrupted "
           f"{dsp2[0][3]!r}")
@@ -102,8 +112,7 @@ def test_two_launches_on_one_machine_get_their_own_port(tmp_path) -> None:
     rendezvous store open while the other starts)."""
     script = tmp_path / "hold.py"
     script.write_text("import os, time\nprint('port', os.environ['MASTER_PORT'], flush=True)\ntime.sleep(3)\n")
-    env = {k: v for k, v in os.environ.items() if k != "MASTER_PORT"}
-    env |= {"PYTHON": sys.executable, "SCRIPT": str(script), "NPROC": "1", "DSP": "1"}
+    env = cpu_env() | {"PYTHON": sys.executable, "SCRIPT": str(script), "NPROC": "1", "DSP": "1"}
     runs = [subprocess.Popen(["bash", str(ROOT / "launch" / "run_megatron.sh")], cwd=ROOT, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
     outs = [run.communicate(timeout=120)[0] for run in runs]

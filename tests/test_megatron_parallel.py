@@ -4,7 +4,9 @@ The oracle is ``dsp_plugin.models.stdit.STDiT`` trained with torch SGD on the wh
 global batch in this process (``megatron_compositions.reference_run``), sharing no
 code path with the Megatron model except the weights it is drawn with. Layouts:
 DSP=2 without and with full recompute (uniform with 1 and 2 layers per chunk, block; 2 ranks);
-DSP=4, DSP=2 x DP=2, TP=2 x DSP=2, PP=2 x DSP=2 (two micro-batches) on 4 ranks, all on real megatron-core (a stock
+DSP=4, DSP=2 x DP=2, TP=2 x DSP=2 (also with full recompute and ``--distribute-saved-activations``, whose
+checkpoint re-gathers its input into new memory before the recompute), PP=2 x DSP=2 (two micro-batches) on
+4 ranks, all on real megatron-core (a stock
 ``TransformerBlock`` of DSP layers, DDP over DP x CP, the pipeline schedules,
 ``finalize_model_grads``). The gradient compared is DDP's reduced ``main_grad``, so
 this pins the convention: SUM over DSP, MEAN over DP. T = S = 6 over 4 ranks is
@@ -78,10 +80,13 @@ def _all_to_alls(result: dict, dsp: int, phase: str) -> int:
     return sum(1 for op, size, ph in result["collectives"] if op == "all_to_all" and size == dsp and ph == phase)
 
 
-def _replayed_switches(recompute: object, stage_layers: int) -> int:
+def _replayed_switches(recompute: object, stage_layers: int, switched: int) -> int:
     """Switches a full recompute issues again in backward: under ``uniform`` with k layers per chunk, those of
     the layers inside a chunk (their input is recomputed, so recompute.py has no kept output to reuse); none
-    under ``block`` or 1 layer per chunk, where every checkpointed switch leads its chunk."""
+    under ``block`` or 1 layer per chunk, where every checkpointed switch leads its chunk; every one with
+    distributed saved activations (asked to save memory, recompute.py keeps no switch output)."""
+    if recompute == "distributed":
+        return switched
     if isinstance(recompute, tuple) and recompute[0] == "uniform":
         return sum(1 for index in range(stage_layers) if index % recompute[1])
     return 0
@@ -96,7 +101,7 @@ def test_one_switch_per_block_boundary(name: str, all_layouts: dict) -> None:
     for result in all_layouts[name]:
         switched = result["stage_layers"] - (1 if result["first_stage"] else 0)
         expected = switched * num_microbatches
-        replayed = _replayed_switches(recompute, result["stage_layers"]) * num_microbatches
+        replayed = _replayed_switches(recompute, result["stage_layers"], switched) * num_microbatches
         forward, backward = _all_to_alls(result, dsp, "forward"), _all_to_alls(result, dsp, "backward")
         assert forward == expected, f"{name}: {forward} forward all-to-alls, expected {expected} (one per switch)"
         assert backward == expected + replayed, \
@@ -109,7 +114,8 @@ def test_one_switch_per_block_boundary(name: str, all_layouts: dict) -> None:
 
 @pytest.mark.parametrize("plain_name, recompute_name", [
     ("DSP=2", "DSP=2 + full recompute"), ("DSP=2", "DSP=2 + full recompute block 2"),
-    ("DSP=2", "DSP=2 + full recompute uniform 2"), ("PP=2 x DSP=2", "PP=2 x DSP=2 + full recompute")])
+    ("DSP=2", "DSP=2 + full recompute uniform 2"), ("PP=2 x DSP=2", "PP=2 x DSP=2 + full recompute"),
+    ("TP=2 x DSP=2", "TP=2 x DSP=2 + full recompute, distributed saved activations")])
 def test_full_recompute_same_losses_and_no_replayed_switch(plain_name: str, recompute_name: str,
                                                            all_layouts: dict) -> None:
     """``recompute_granularity=full`` through TransformerBlock (``uniform`` with 1 and 2 layers per chunk,
@@ -124,7 +130,8 @@ def test_full_recompute_same_losses_and_no_replayed_switch(plain_name: str, reco
         counts = [(_all_to_alls(r, 2, "forward"), _all_to_alls(r, 2, "backward")) for r in (a, b)]
         print(f"\n{recompute_name} all-to-alls per step on this rank (fwd, bwd): without recompute {counts[0]}, "
               f"with full recompute {counts[1]}")
-        replayed = _replayed_switches(method, b["stage_layers"]) * num_microbatches
+        switched = b["stage_layers"] - (1 if b["first_stage"] else 0)
+        replayed = _replayed_switches(method, b["stage_layers"], switched) * num_microbatches
         assert counts[1] == (counts[0][0], counts[0][1] + replayed), \
             f"{recompute_name}: all-to-alls (forward, backward) {counts[1]}, expected {counts[0]} as without " \
             f"recompute, + {replayed} replayed in backward: the recompute replayed a switch it should have reused"

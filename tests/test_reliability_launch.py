@@ -96,14 +96,22 @@ def test_train_deepspeed_preflight_names_the_fix(tmp_path: Path, monkeypatch: py
     assert "cannot be written" in _preflight_error(tmp_path, good, save_dir=str(tmp_path / "file" / "ckpt"))
 
 
-def test_megatron_load_of_nothing_is_refused_unless_asked(tmp_path: Path) -> None:
-    from dsp_plugin.megatron.arguments import check_load_path
+def test_megatron_load_of_nothing_is_refused_unless_it_is_the_save_directory(tmp_path: Path) -> None:
+    """Megatron's auto-resume idiom (the same ``--save D --load D`` on every run, the first included) starts
+    fresh and says so; ``--load`` of another directory without a checkpoint is refused."""
+    from dsp_plugin.megatron.resume import check_load_path
 
-    with pytest.raises(ValueError, match="does not exist; Megatron would train from scratch.*--allow-fresh-start"):
-        check_load_path(Namespace(load=str(tmp_path / "nowhere"), allow_fresh_start=False, ckpt_step=None))
-    with pytest.raises(ValueError, match="holds no Megatron checkpoint"):
-        check_load_path(Namespace(load=str(tmp_path), allow_fresh_start=False, ckpt_step=None))
-    check_load_path(Namespace(load=str(tmp_path / "nowhere"), allow_fresh_start=True, ckpt_step=None))
+    def args(load: object, save: object = None, allow: bool = False) -> Namespace:
+        return Namespace(load=load, save=save, allow_fresh_start=allow, ckpt_step=None)
+
+    with pytest.raises(ValueError, match="does not exist and is not the --save directory.*--allow-fresh-start"):
+        check_load_path(args(str(tmp_path / "nowhere")))
+    with pytest.raises(ValueError, match="holds no Megatron checkpoint .* and is not the --save directory"):
+        check_load_path(args(str(tmp_path), save=str(tmp_path / "other")))
+    for load in (tmp_path, tmp_path / "new"):  # an empty or a missing --save directory: the first run of a job
+        note = check_load_path(args(str(load), save=str(load) + "/"))
+        assert note and "is the --save directory and holds no checkpoint yet: starting from scratch" in note
+    assert "starting from scratch (--allow-fresh-start)" in check_load_path(args(str(tmp_path / "x"), allow=True))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
-    check_load_path(Namespace(load=str(tmp_path), allow_fresh_start=False, ckpt_step=None))
-    check_load_path(Namespace(load=None, allow_fresh_start=False, ckpt_step=None))
+    assert check_load_path(args(str(tmp_path))) is None
+    assert check_load_path(args(None)) is None

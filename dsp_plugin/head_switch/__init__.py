@@ -8,6 +8,13 @@ module's attention through it is ``dsp_plugin.plan.attention``.
 
 from __future__ import annotations
 
-from dsp_plugin.head_switch.exchange import from_heads, head_ranges, kv_elements_sent, kv_head_ranges, to_heads
+from dsp_plugin.head_switch.exchange import (
+    from_heads,
+    head_ranges,
+    kv_elements_sent,
+    kv_head_ranges,
+    local_head_counts,
+    to_heads,
+)
 
-__all__ = ["from_heads", "head_ranges", "kv_elements_sent", "kv_head_ranges", "to_heads"]
+__all__ = ["from_heads", "head_ranges", "kv_elements_sent", "kv_head_ranges", "local_head_counts", "to_heads"]

@@ -65,7 +65,7 @@ from dsp_plugin.comm import agree, collectives, group_resolution
 from dsp_plugin.head_switch.arg_checks import check_qkv, check_replicated
 from dsp_plugin.packing import chunk_sizes, offsets
 
-__all__ = ["from_heads", "head_ranges", "kv_elements_sent", "kv_head_ranges", "to_heads"]
+__all__ = ["from_heads", "head_ranges", "kv_elements_sent", "kv_head_ranges", "local_head_counts", "to_heads"]
 
 Range = tuple[int, int]  # (first head, number of heads)
 
@@ -95,6 +95,32 @@ def kv_elements_sent(*, heads: int, kv_heads: int, n: int, rank: int, tokens: in
         "repeat_to_heads": tokens * row * sum(count for j, (_, count) in enumerate(query) if j != rank),
         "all_gather": tokens * row * kv_heads * (n - 1),
     }
+
+
+def local_head_counts(heads: int, kv_heads: int, n: int, rank: int) -> tuple[int, int]:
+    """``(query heads, K/V heads)`` rank ``rank`` holds after ``to_heads`` of ``heads`` query and ``kv_heads`` K/V
+    heads over ``n`` ranks (K/V repeated to one per query head where its query heads straddle groups unevenly):
+    what a core attention built for a fixed head count (Transformer Engine's) must be built for."""
+    count = head_ranges(heads, n)[rank][1]
+    if kv_heads == heads or _local_kv_index(heads, kv_heads, n, rank) is not None:
+        return count, count
+    return count, kv_head_ranges(heads, kv_heads, n)[rank][1]
+
+
+def repeat_heads(t: torch.Tensor, index: list[int], head_dim: int) -> torch.Tensor:
+    """``t.index_select(head_dim, index)`` for a non-decreasing ``index``, without an index tensor: one
+    expanded view per run of equal entries, concatenated (no host-to-device copy of the index on every call)."""
+    runs: list[list[int]] = []
+    for head in index:
+        if runs and runs[-1][0] == head:
+            runs[-1][1] += 1
+        else:
+            runs.append([head, 1])
+    views = []
+    for head, count in runs:  # [.., 1, ..] -> [.., count, ..]: a view
+        one = t.narrow(head_dim, head, 1)
+        views.append(one.expand(*one.shape[:head_dim], count, *one.shape[head_dim + 1:]))
+    return torch.cat(views, dim=head_dim)
 
 
 def _local_kv_index(heads: int, kv_heads: int, n: int, rank: int) -> list[int] | None:
@@ -275,9 +301,8 @@ def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int
         outputs += [t.narrow(head, *r[rank]) for t, r in zip(replicated, ex.ranges)]
     index = _local_kv_index(heads, kv_heads, n, rank)
     if index is not None:  # this rank's query heads straddle K/V groups: one K/V head per query head
-        positions = torch.tensor(index, device=q.device)
         for i in (1, 2) if replicated is None else (1, 2, 4, 5):  # the K and V among the outputs
-            outputs[i] = outputs[i].index_select(head, positions)
+            outputs[i] = repeat_heads(outputs[i], index, head)
     layout.attach(outputs[0], head, heads)
     if kv_heads == heads:
         layout.attach(outputs[1], head, heads)

@@ -28,7 +28,8 @@ from megatron.core.enums import ModelType
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.arguments import parse_and_validate_args
 
-from dsp_plugin.megatron.arguments import add_dsp_arguments, add_load_arguments, check_load_path
+from dsp_plugin.megatron.arguments import add_dsp_arguments
+from dsp_plugin.megatron.resume import add_load_arguments, check_load_path
 from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers
 from dsp_plugin.megatron.flops import install_flops_formula
 from dsp_plugin.megatron.steps import (
@@ -120,7 +121,9 @@ def main() -> None:
         fail_on_silent_exit_in_load()  # Megatron's loader sys.exit()s with status 0 on some errors
         install_flops_formula()  # throughput in this model's FLOPs, not the GPT formula
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
-        check_load_path(args)  # --load of nothing is refused (Megatron would start from scratch)
+        fresh = check_load_path(args)  # --load of nothing is refused unless it is --save (auto-resume)
+        if fresh:
+            print_rank_0(f"> {fresh}")
         if not cuda_is_real():
             refuse_cuda_only_options(args)
         print_rank_0(f"> sequence parallel mode: {args.sequence_parallel_mode}, dsp size {args.dsp_size} "

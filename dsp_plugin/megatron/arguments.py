@@ -28,7 +28,7 @@ import os
 from typing import Any
 
 __all__ = ["FP8_RULES", "MODES", "add_dsp_arguments", "apply_dsp_arguments", "check_launch_options", "check_fp8_shapes",
-           "check_models_for_dsp_layers", "dsp_enabled", "fp8_gemms"]
+           "check_models_for_dsp_layers", "dsp_enabled", "fp8_gemms", "launch_geometries"]
 
 #: Values of ``--sequence-parallel-mode``.
 MODES = ("none", "dsp")
@@ -143,14 +143,29 @@ def apply_dsp_arguments(args: argparse.Namespace, *, world_size: int) -> argpars
 FP8_RULES = {"delayed": (8, 16), "tensorwise": (8, 16), "blockwise": (8, 16), "custom": (8, 16), "mxfp8": (32, 32)}
 
 
-def fp8_gemms(args: argparse.Namespace, dsp: int) -> list[tuple[str, int, int]]:
+def launch_geometries(args: argparse.Namespace) -> list[tuple[int, int, int]]:
+    """Every ``(frames, height, width)`` a launch's batches take: each ``--video-buckets`` entry, else
+    ``--num-frames/--latent-height/--latent-width``; empty when the launch defines no geometry (a user's own)."""
+    spec = getattr(args, "video_buckets", None)
+    if spec:
+        from dsp_plugin.megatron.steps import video_buckets_from_args
+
+        return list(video_buckets_from_args(args))
+    geometry = tuple(getattr(args, name, None) for name in ("num_frames", "latent_height", "latent_width"))
+    return [] if None in geometry else [geometry]  # type: ignore[list-item]
+
+
+def fp8_gemms(args: argparse.Namespace, dsp: int,
+              geometry: tuple[int, int, int] | None = None) -> list[tuple[str, int, int]]:
     """``(name, rows, last dim)`` of every GEMM operand (inputs and weights) a DSP layer of the launch's
     model gives Transformer Engine on some DSP rank: spatial layers hold all S patches of T/dsp frames,
     temporal layers all T frames of S/dsp patches (uneven chunks both ways), cross-attention keys the
-    text; weights are split over TP. Needs the launch's geometry arguments."""
+    text; weights are split over TP. ``geometry``: ``(frames, height, width)`` of the batches (default: the
+    launch's ``--num-frames/--latent-height/--latent-width``)."""
     from dsp_plugin.comm import chunk_sizes
 
-    frames, patches = args.num_frames, args.latent_height * args.latent_width
+    frames, height, width = geometry or (args.num_frames, args.latent_height, args.latent_width)
+    patches = height * width
     mbs, tp = getattr(args, "micro_batch_size", 1) or 1, _size(args, "tensor_model_parallel_size")
     hidden = args.hidden_size
     ffn = getattr(args, "ffn_hidden_size", None) or 4 * hidden
@@ -179,19 +194,22 @@ def fp8_gemms(args: argparse.Namespace, dsp: int) -> list[tuple[str, int, int]]:
 
 
 def check_fp8_shapes(args: argparse.Namespace, dsp: int) -> None:
-    """Refuse an FP8 run whose GEMM shapes break TE's rule for ``--fp8-recipe`` (any DSP size, 1 included)."""
+    """Refuse an FP8 run whose GEMM shapes break TE's rule for ``--fp8-recipe`` (any DSP size, 1 included),
+    for every geometry the batches take (each ``--video-buckets`` entry)."""
     if not (getattr(args, "fp8", None) or getattr(args, "fp8_format", None)):
         return
-    if any(getattr(args, name, None) is None for name in ("num_frames", "latent_height", "latent_width")):
-        return  # a user's own launch: its geometry is not known here
+    geometries = launch_geometries(args)  # none: a user's own launch, whose geometry is not known here
     recipe = getattr(args, "fp8_recipe", None) or "delayed"
     row_align, dim_align = FP8_RULES.get(recipe, FP8_RULES["delayed"])
-    bad = [f"{what}: {rows} rows x {dim}" for what, rows, dim in fp8_gemms(args, dsp)
-           if rows % row_align or dim % dim_align]
-    if bad:
-        raise ValueError(f"FP8 (--fp8-recipe {recipe}) needs every GEMM input and weight with rows divisible by "
-                         f"{row_align} and last dim divisible by {dim_align} (Transformer Engine's rule) on every "
-                         f"DSP rank (dsp size {dsp}): " + "; ".join(bad))
+    for geometry in geometries:
+        bad = [f"{what}: {rows} rows x {dim}" for what, rows, dim in fp8_gemms(args, dsp, geometry)
+               if rows % row_align or dim % dim_align]
+        if bad:
+            where = (f" in video bucket {','.join(map(str, geometry))} (T,H,W) of --video-buckets "
+                     f"{args.video_buckets!r}" if getattr(args, "video_buckets", None) else "")
+            raise ValueError(f"FP8 (--fp8-recipe {recipe}) needs every GEMM input and weight with rows divisible "
+                             f"by {row_align} and last dim divisible by {dim_align} (Transformer Engine's rule) on "
+                             f"every DSP rank (dsp size {dsp}){where}: " + "; ".join(bad))
 
 
 def check_launch_options(args: argparse.Namespace) -> None:
@@ -254,16 +272,15 @@ def check_model_options(args: argparse.Namespace, dsp: int) -> None:
             raise ValueError(f"--sequence-parallel-mode dsp: --recompute-modules {sorted(modules)} is not "
                              "supported (DSP layers run their own norms and MLP); use core_attn, or "
                              "--recompute-granularity full")
-    frames = getattr(args, "num_frames", None)
-    height, width = getattr(args, "latent_height", None), getattr(args, "latent_width", None)
-    if frames is None or height is None or width is None or dsp == 1:
+    if dsp == 1 or getattr(args, "transformer_impl", "local") != "transformer_engine":
         return
-    patches = height * width
-    te = getattr(args, "transformer_impl", "local") == "transformer_engine"
-    if te and dsp > min(frames, patches):
-        raise ValueError(f"dsp size ({dsp}) exceeds the frames ({frames}) or patches ({patches}) of a sample: "
-                         "some ranks would hold empty shards, which Transformer Engine kernels cannot take; "
-                         "use --dsp-size <= min(frames, patches) or --transformer-impl local")
+    for frames, height, width in launch_geometries(args):  # every bucket the batches take
+        patches = height * width
+        if dsp > min(frames, patches):
+            raise ValueError(f"dsp size ({dsp}) exceeds the frames ({frames}) or patches ({patches}) of a sample"
+                             f"{' (a --video-buckets entry)' if getattr(args, 'video_buckets', None) else ''}: "
+                             "some ranks would hold empty shards, which Transformer Engine kernels cannot take; "
+                             "use --dsp-size <= min(frames, patches) or --transformer-impl local")
 
 
 def check_models_for_dsp_layers() -> None:
@@ -295,34 +312,3 @@ def check_models_for_dsp_layers() -> None:
 def dsp_enabled(args: argparse.Namespace) -> bool:
     """True when the launch asked for ``--sequence-parallel-mode dsp``."""
     return getattr(args, "sequence_parallel_mode", "none") == "dsp"
-
-
-# --- --load of nothing: refused unless asked for (self-contained; used by dsp_plugin/launch/pretrain_stdit.py) ---
-
-
-def add_load_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``--allow-fresh-start``: let ``--load DIR`` start from scratch when DIR holds no checkpoint."""
-    parser.add_argument("--allow-fresh-start", action="store_true",
-                        help="with --load: start from scratch when the directory holds no checkpoint "
-                             "(default: refuse, since Megatron would silently train from scratch)")
-    return parser
-
-
-def check_load_path(args: argparse.Namespace) -> None:
-    """Refuse ``--load DIR`` when DIR holds no Megatron checkpoint, unless ``--allow-fresh-start``.
-
-    Megatron treats a missing directory or tracker file as "no checkpoint" and
-    trains from scratch with exit status 0; a mistyped path then looks like a
-    resume. Reads only files, so it raises alike on every rank before any collective.
-    """
-    load = getattr(args, "load", None)
-    if not load or getattr(args, "allow_fresh_start", False):
-        return
-    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
-    step = getattr(args, "ckpt_step", None)
-    if os.path.isfile(tracker) or (step is not None and os.path.isdir(os.path.join(load, f"iter_{step:07d}"))):
-        return
-    what = "does not exist" if not os.path.exists(load) else "holds no Megatron checkpoint (no " \
-        "latest_checkpointed_iteration.txt)"
-    raise ValueError(f"--load {load!r} {what}; Megatron would train from scratch. Expected a directory written by "
-                     f"--save; pass --allow-fresh-start to start from scratch when it is empty")

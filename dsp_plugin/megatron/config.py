@@ -59,7 +59,8 @@ class DSPTransformerConfig(TransformerConfig):
 
     position_embedding_type: str = "learned_absolute"
     """Megatron's ``--position-embedding-type``: ``"rope"`` rotates q and k of temporal layers by each
-    token's frame index (OpenSora 1.2); ``"learned_absolute"`` (the default name) keeps the sin-cos tables."""
+    token's frame index (OpenSora 1.2) and of full layers by its global (frame, row, column) (3-D RoPE,
+    ``rope.py``); ``"learned_absolute"`` (the default name) keeps the sin-cos tables."""
 
     rotary_base: float = 10000.0
     """Megatron's ``--rotary-base``."""
@@ -88,11 +89,11 @@ class DSPTransformerConfig(TransformerConfig):
         if not self.dsp_attend_pattern or bad:
             raise ValueError(f"DSPTransformerConfig: dsp_attend_pattern={self.dsp_attend_pattern!r}; "
                              f"expected a non-empty tuple of {sorted(ATTEND)}")
-        if self.position_embedding_type == "rope" and "full" in self.dsp_attend_pattern:
+        if self.position_embedding_type == "rope" and "full" in self.dsp_attend_pattern and head_dim < 6:
             raise ValueError(f"DSPTransformerConfig: position_embedding_type='rope' with full-attention layers "
-                             f"(dsp_attend_pattern={self.dsp_attend_pattern!r}): the layers rotate q and k along "
-                             "one attended dim, and 3-D RoPE over every token is not implemented; use "
-                             "--position-embedding-type learned_absolute or a factorized pattern")
+                             f"(dsp_attend_pattern={self.dsp_attend_pattern!r}) rotates a head's pairs by frame, "
+                             f"patch row and column (3-D RoPE, head_dim // 6 pairs each for row and column), so it "
+                             f"needs a head dim >= 6, got {head_dim}")
         if self.context_parallel_size != 1:
             raise ValueError("DSPTransformerConfig: context_parallel_size must be 1 (attention stays local; the "
                              f"DSP group occupies parallel_state's CP slot), got {self.context_parallel_size}")

@@ -7,12 +7,15 @@ each other.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+from dsp_plugin.megatron.dropout import rank_rng
 
 __all__ = ["SDPACoreAttention"]
 
@@ -42,6 +45,9 @@ class SDPACoreAttention(MegatronModule):
                              "spatial-temporal blocks attend bidirectionally (no_mask)")
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
+        # attention dropout: a mask per DSP shard and per TP rank (each holds other tokens or heads); dropout.py
+        groups = [getattr(pg_collection, name, None) for name in ("cp", "tp")]
+        self.dropout_salt = tuple(group.rank() if group is not None else 0 for group in groups)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: AttnMaskType | None = None,
@@ -56,8 +62,10 @@ class SDPACoreAttention(MegatronModule):
         if k.shape[1] != q.shape[1]:
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=None if attention_mask is None else ~attention_mask,
-            dropout_p=self.dropout_p if self.training else 0.0, scale=self.softmax_scale)
+        dropout = self.dropout_p if self.training else 0.0
+        with rank_rng(q.device, self.dropout_salt) if dropout else contextlib.nullcontext():
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=None if attention_mask is None else ~attention_mask, dropout_p=dropout,
+                scale=self.softmax_scale)
         # [b, h, s, d] -> [s, b, h * d]
         return out.permute(2, 0, 1, 3).flatten(2)

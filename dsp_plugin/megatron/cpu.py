@@ -1,9 +1,11 @@
 """Running megatron.training on CPU (gloo): one restorable CUDA shim, and the tests' train step.
 
 megatron-core and ``megatron.training`` assume CUDA in device queries even where
-the tensors could live anywhere. ``cuda_shim()`` answers exactly those, and only
-while CUDA is absent (on a GPU machine it does nothing). The base set serves
-megatron-core (layers, DDP, schedules, argument validation):
+the tensors could live anywhere. ``cuda_shim()`` answers exactly those, whether or
+not the machine has CUDA: it *pins* the CPU path. The launch installs it only when
+CUDA is absent (``cuda_is_real()``); the tests always do, so that ``make test`` runs
+the same CPU path on a GPU machine. The base set serves megatron-core (layers, DDP,
+schedules, argument validation):
 
 ============================================  =============================================
 replaced (CPU only)                           Megatron call site that needs it
@@ -148,13 +150,12 @@ def cuda_is_real() -> bool:
 
 
 def install_cuda_shim(*, training: bool = False) -> dict[str, Any]:
-    """Install the shim when CUDA is unavailable; returns what it replaced (empty on a GPU machine).
+    """Install the shim (the CPU path, also where CUDA is present); returns what it replaced.
 
     ``training=True`` adds the queries of ``megatron.training``'s ``pretrain()``/``train()``
-    (``torch.cuda.is_available()`` answers True while it is installed).
+    (``torch.cuda.is_available()`` answers True while it is installed). A launch that should use
+    the GPU when there is one asks ``cuda_is_real()`` first, as ``pretrain_stdit`` does.
     """
-    if cuda_is_real():
-        return {}
     replaced = {}
     shims = {**_SHIMS, **(_TRAINING_SHIMS if training else {})}
     for name, shim in shims.items():

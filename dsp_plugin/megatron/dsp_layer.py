@@ -6,7 +6,7 @@ modulation and cross-attention to text. Shapes (``B`` batch, ``T`` frames,
 
     in   [T_x * S_x, B, D]     Megatron's layout, tokens (t, s) row-major, one of T/S sharded
     ->   [B, T_x, S_x, D]      if sharded along the attend dim: dynamic_switch (one all-to-all)
-    ->   adaLN: x + gate1 * SelfAttn(fold(norm(x) * (1 + scale1) + shift1))
+    ->   adaLN: x + gate1 * SelfAttn(norm(fold(x)) * (1 + scale1) + shift1)
          fold: [B, T, S_l, D] -> [T, B * S_l, D] (temporal) or [B, T_l, S, D] -> [S, B * T_l, D]
     ->   [T_x * S_x, B, D]     x + CrossAttn(norm(x), text)   (queries local, text replicated: no comm)
     ->   x + gate2 * MLP(norm(x) * (1 + scale2) + shift2)
@@ -42,14 +42,12 @@ from typing import Any
 
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
 from dsp_plugin import layout
 from dsp_plugin.comm import dynamic_switch
-from dsp_plugin.megatron.recompute import SwitchReplayCache, first_layer_of_a_chunk
 from dsp_plugin.megatron.config import (
     ATTEND,
     FRAME_DIM,
@@ -61,6 +59,9 @@ from dsp_plugin.megatron.config import (
     output_shard_dim,
     rope_dims,
 )
+from dsp_plugin.megatron.dropout import sharded_dropout
+from dsp_plugin.megatron.recompute import SwitchReplayCache, first_layer_of_a_chunk
+from dsp_plugin.megatron.rope import factorized_table
 
 __all__ = ["DSPSpatialTemporalLayer", "attach_video_grid", "sincos_positions", "video_grid"]
 
@@ -134,7 +135,7 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         self.add_positions = (config.dsp_sincos_positions and config.position_embedding_type != "none"
                               and not self.rope and self.layer_number == first)
         stage_offset = get_transformer_layer_offset(config, vp_stage, get_pg_rank(self.pg_collection.pp))
-        self.switch_cache = (SwitchReplayCache()
+        self.switch_cache = (SwitchReplayCache(keep_outputs=not config.distribute_saved_activations)
                              if first_layer_of_a_chunk(config, self.layer_number - 1 - stage_offset) else None)
 
     # -- layout ------------------------------------------------------------------------------
@@ -155,8 +156,10 @@ class DSPSpatialTemporalLayer(TransformerLayer):
 
     @staticmethod
     def _to_tokens(x: torch.Tensor) -> torch.Tensor:
-        """``[B, T_x, S_x, D] -> [T_x * S_x, B, D]`` (a fresh tensor)."""
-        return x.permute(1, 2, 0, 3).reshape(-1, x.shape[0], x.shape[3])
+        """``[B, T_x, S_x, D] -> [T_x * S_x, B, D]``, contiguous: the norms and linears after it read it as is (a
+        strided view would be copied by each), and the layer's output, which inherits its layout, is the next
+        checkpoint's input (``--distribute-saved-activations`` flattens it)."""
+        return x.permute(1, 2, 0, 3).contiguous().view(-1, x.shape[0], x.shape[3])
 
     def _fold(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T, S, D]`` -> ``[L_a, B * other, D]``: the attended dim first, the rest folded into the batch."""
@@ -194,14 +197,18 @@ class DSPSpatialTemporalLayer(TransformerLayer):
             what = "adaLN-single modulation [B, 6D]" if self.config.dsp_adaln_single else "timestep embedding [B, D]"
             raise ValueError(f"{name}: attention_mask must carry the {what} = [{hidden_states.shape[1]}, {width}], "
                              f"got {None if cond is None else tuple(cond.shape)}")
-        grid, shard = video_grid(hidden_states, name)
         cache = self.switch_cache if self.training else None  # first layer of a full-recompute chunk
-        if cache is not None:  # the checkpoint recomputes on a detached copy: keep this tagged object alive
+        held = cache.original(hidden_states) if cache is not None else None
+        # the recompute runs on a detached copy, whose tag is found through the live original (layout's alias
+        # lookup) or, with --distribute-saved-activations (the checkpoint re-gathers its input into new memory,
+        # under the same tensor object), through the chunk input the first run kept
+        grid, shard = video_grid(hidden_states if held is None else held, name)
+        if cache is not None:  # keep this tagged object alive until the recompute
             cache.hold(attach_video_grid(hidden_states, grid, shard))
         if shard != self.input_shard_dim:
             raise ValueError(f"{name}: the hidden states are sharded on dim {shard}, but with the attend pattern "
                              f"{self.config.dsp_attend_pattern} this layer receives dim {self.input_shard_dim}")
-        rope = self._rotary_table(rotary_pos_emb, grid, name)
+        rope = self._rotary_table(rotary_pos_emb, grid, shard, name)
         group, _, _ = self._dsp()
         x = self._to_grid(hidden_states, grid, self.input_shard_dim)
         if self.input_shard_dim == self.attend_dim:  # S(attend) -> S(other): one all-to-all
@@ -221,11 +228,14 @@ class DSPSpatialTemporalLayer(TransformerLayer):
             mods = (self.scale_shift_table[None] + cond.view(cond.shape[0], 6, -1)).unbind(1)
         else:
             mods = self.adaln_modulation(nn.functional.silu(cond)).chunk(6, dim=-1)
-        shift1, scale1, gate1, shift2, scale2, gate2 = (m[:, None, None] for m in mods)
+        shift1, scale1, gate1, shift2, scale2, gate2 = mods  # [B, D] each
 
-        h = self.input_layernorm(x) * (1 + scale1) + shift1
-        out, bias = self.self_attention(self._fold(h), attention_mask=None, rotary_pos_emb=rope)
-        x = x + gate1 * self._unfold(self._bias_dropout(out, bias), x)
+        # norm and modulate in the folded layout: LayerNorm's copy of the strided fold is the only one, and
+        # linear_qkv gets a contiguous input (Transformer Engine would copy a strided one once more)
+        h = self.input_layernorm(self._fold(x)) * (1 + self._fold_rows(scale1, x)) + self._fold_rows(shift1, x)
+        out, bias = self.self_attention(h, attention_mask=self._self_attention_mask(grid, shard),
+                                        rotary_pos_emb=rope)
+        x = x + gate1[:, None, None] * self._unfold(self._bias_dropout(out, bias), x)
 
         tokens = self._to_tokens(x)  # [T_x * S_x, B, D]
         if context is not None and not isinstance(self.cross_attention, IdentityOp):
@@ -233,30 +243,31 @@ class DSPSpatialTemporalLayer(TransformerLayer):
                                              attention_mask=self._caption_mask(context_mask, context, name),
                                              key_value_states=context)
             tokens = tokens + self._bias_dropout(out, bias)
-        shift2, scale2, gate2 = (m[:, :, 0].transpose(0, 1) for m in (shift2, scale2, gate2))  # [1, B, D]
+        shift2, scale2, gate2 = (m[None] for m in (shift2, scale2, gate2))  # [1, B, D]
         h = self.pre_mlp_layernorm(tokens) * (1 + scale2) + shift2
         out, bias = self.mlp(h)
         out = tokens + gate2 * self._bias_dropout(out, bias)
         return attach_video_grid(out, grid, self.output_shard_dim), context
 
-    def _rotary_table(self, rotary_pos_emb: Any, grid: tuple[int, int], name: str) -> torch.Tensor | None:
-        """This layer's table from the ``(temporal, spatial)`` pair, checked against the attended length."""
+    def _rotary_table(self, rotary_pos_emb: Any, grid: tuple[int, int], shard: int,
+                      name: str) -> torch.Tensor | None:
+        """This layer's table from the ``(frames, patches)`` pair, checked against the attended length."""
         if not self.rope:
             if rotary_pos_emb is not None and self.config.position_embedding_type != "rope":
                 raise ValueError(f"{name}: got rotary_pos_emb but position_embedding_type="
                                  f"{self.config.position_embedding_type!r}; use 'rope' (--position-embedding-type "
                                  "rope) so that the layers know to rotate q and k")
             return None
-        if not isinstance(rotary_pos_emb, (tuple, list)) or len(rotary_pos_emb) != 2:
-            raise ValueError(f"{name}: position_embedding_type='rope' needs rotary_pos_emb = (temporal, spatial) "
-                             f"tables [L, 1, 1, head_dim] (tokens.video_rope), got {type(rotary_pos_emb).__name__}")
-        table = rotary_pos_emb[0 if self.attend_dim == FRAME_DIM else 1]
-        length = grid[self.attend_dim - 1]
-        if table is None or table.dim() != 4 or table.shape[0] != length:
-            raise ValueError(f"{name}: the rotary table for dim {self.attend_dim} must be [{length}, 1, 1, "
-                             f"head_dim] (the global length of the attended dim), got "
-                             f"{None if table is None else tuple(table.shape)}")
-        return table
+        return factorized_table(rotary_pos_emb, self.attend_dim, grid[self.attend_dim - 1], name)
+
+    def _self_attention_mask(self, grid: tuple[int, int], shard: int) -> torch.Tensor | None:
+        """What the self-attention's ``attention_mask`` carries: nothing (a factorized layer attends unmasked)."""
+        return None
+
+    def _fold_rows(self, m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """A per-sample ``[B, D]`` -> broadcastable over the fold ``[L_a, B * other, D]`` (``[1, B * other, D]``)."""
+        other = x.shape[1] if self.attend_dim == PATCH_DIM else x.shape[2]
+        return m[:, None].expand(m.shape[0], other, m.shape[1]).reshape(1, -1, m.shape[1])
 
     def _caption_mask(self, context_mask: torch.Tensor | None, context: torch.Tensor,
                       name: str) -> torch.Tensor | None:
@@ -276,9 +287,10 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         return context_mask
 
     def _bias_dropout(self, out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Hidden dropout with this DSP shard's own mask (``dropout.py``), the same on its TP replicas."""
         if bias is not None:
             out = out + bias
-        return nn.functional.dropout(out, p=self.hidden_dropout, training=self.training)
+        return sharded_dropout(out, self.hidden_dropout, self.training, salt=(self.pg_collection.cp.rank(),))
 
 
 

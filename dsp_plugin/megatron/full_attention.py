@@ -23,20 +23,29 @@ Everything but the attention is the factorized layer's own code
 (:class:`~dsp_plugin.megatron.dsp_layer.DSPSpatialTemporalLayer`): adaLN-Zero,
 cross-attention, MLP, the submodules from ``dsp_layer_spec``. The spec's layer
 class is :class:`DSPVideoLayer`, which builds the kind the pattern names for each
-global layer number. Full layers add no positional table (the factorized layers
-add sin-cos positions along the dim they attend; a model that starts with full
-layers needs its own positions before the block). Under full recompute the head
-switch is recomputed with the layer (two all-to-alls more in backward); the
-Transformer Engine core attention is built for the config's head count, which a
-head shard does not have, so full layers need ``--transformer-impl local``.
+global layer number. Positions: with ``position_embedding_type="rope"`` a full
+layer rotates q and k by each token's global ``(t, h, w)`` (3-D RoPE, ``rope.py``:
+the rows of ``video_rope``'s tables at the frames and patches this rank holds);
+otherwise it adds no positional table (the factorized layers add sin-cos positions
+along the dim they attend; a model that starts with full layers needs its own
+positions before the block).
+
+The core attention learns the global ``(T, S)`` and the sharded dim from its
+``attention_mask`` argument, which a full layer's self-attention does not otherwise
+use: the layer passes :func:`grid_carrier`, a small CPU tensor ``[T, S, shard_dim]``.
+It travels wherever Megatron takes q, k and v, also into the checkpoint of selective
+recompute (``--recompute-granularity selective``, ``core_attn``), which re-runs the
+core attention in backward, outside the layer's forward. Under full recompute the
+head switch is recomputed with the layer (two all-to-alls more in backward), under
+selective recompute the core attention with its head switch (likewise). With
+``--transformer-impl transformer_engine`` the local core attention is Transformer
+Engine's, built for the heads this rank holds after the switch (GPU only: the spec
+imports TE lazily and refuses without it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
-from contextvars import ContextVar
 from functools import partial
 from typing import Any
 
@@ -46,34 +55,33 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
 
-from dsp_plugin.head_switch import from_heads, to_heads
-from dsp_plugin.megatron.config import (
-    ATTEND,
-    FRAME_DIM,
-    FULL,
-    DSPTransformerConfig,
-    local_grid,
-)
-from dsp_plugin.megatron.dsp_layer import DSPSpatialTemporalLayer, video_grid
+from dsp_plugin.head_switch import from_heads, local_head_counts, to_heads
+from dsp_plugin.megatron.config import ATTEND, FRAME_DIM, FULL, DSPTransformerConfig, local_grid
+from dsp_plugin.megatron.dsp_layer import DSPSpatialTemporalLayer
+from dsp_plugin.megatron.rope import full_layer_table
+from dsp_plugin.megatron.tokens import shard_range
 
-__all__ = ["DSPFullAttentionLayer", "DSPVideoLayer", "HeadSwitchCoreAttention", "attention_grid", "layer_kind"]
-
-# The global (T, S) grid and the sharded dim of the hidden states the enclosing full layer is running on.
-# Megatron's SelfAttention hands its core attention only q, k and v (new tensors, untagged), so the
-# layer scopes its input's ShardSpec here for the duration of its own forward: a ContextVar is local to
-# the thread and restored on exit, so two forwards in two threads, re-entrant calls and the recompute
-# under full activation checkpointing (which re-runs the layer's forward) each see their own grid.
-_GRID: ContextVar[tuple[tuple[int, int], int] | None] = ContextVar("dsp_full_attention_grid", default=None)
+__all__ = ["DSPFullAttentionLayer", "DSPVideoLayer", "HeadSwitchCoreAttention", "grid_carrier", "head_share_config",
+           "layer_kind"]
 
 
-@contextlib.contextmanager
-def attention_grid(grid: tuple[int, int], shard_dim: int) -> Iterator[None]:
-    """Scope the global ``grid = (T, S)`` and the sharded dim (1: T, 2: S) for :class:`HeadSwitchCoreAttention`."""
-    token = _GRID.set((tuple(grid), int(shard_dim)))  # type: ignore[arg-type]
-    try:
-        yield
-    finally:
-        _GRID.reset(token)
+def grid_carrier(grid: tuple[int, int], shard_dim: int) -> torch.Tensor:
+    """``[T, S, shard_dim]`` (int64, CPU): what a full layer hands its core attention in ``attention_mask``.
+
+    Data, not a tag or a scope: it survives Megatron's selective-recompute checkpoint (which detaches its
+    inputs and re-runs the core attention in backward) and is read without a device sync.
+    """
+    return torch.tensor([grid[0], grid[1], shard_dim], dtype=torch.int64, device="cpu")
+
+
+def _read_carrier(carrier: object, where: str) -> tuple[tuple[int, int], int]:
+    if (not isinstance(carrier, torch.Tensor) or carrier.device.type != "cpu" or carrier.dtype != torch.int64
+            or carrier.shape != (3,)):
+        got = (carrier.dtype, carrier.device, tuple(carrier.shape)) if isinstance(carrier, torch.Tensor) else carrier
+        raise ValueError(f"{where}: attention_mask must carry the video grid [T, S, shard_dim] as an int64 CPU tensor "
+                         f"(grid_carrier; DSPFullAttentionLayer passes it), got {got}")
+    frames, patches, shard = carrier.tolist()
+    return (frames, patches), shard
 
 
 def layer_kind(config: DSPTransformerConfig, layer_number: int) -> str:
@@ -89,10 +97,11 @@ class HeadSwitchCoreAttention(MegatronModule):
     -> ``[s, b, h * d]``, here with ``s`` the local tokens ``T_x * S_x``. The switch
     runs along the sharded video dim (``[T_x, S_x, ..]`` unflattened), whose global
     length comes from the layer's input, so the full sequence arrives in row-major ``(t, s)``
-    order; the global lengths are those of the enclosing layer's input tag, scoped by
-    :func:`attention_grid`. ``local_attention`` is the core attention class the layer spec names
-    (it must accept any head count, as :class:`~dsp_plugin.megatron.layers.SDPACoreAttention`
-    does). The DSP group is ``pg_collection.cp``.
+    order; the global lengths and the sharded dim come in ``attention_mask`` (:func:`grid_carrier`; a full
+    layer's self-attention is unmasked). ``local_attention`` is the core attention class the layer spec names
+    (:class:`~dsp_plugin.megatron.layers.SDPACoreAttention` takes any head count; Transformer Engine's
+    ``TEDotProductAttention`` is built for this rank's share of the heads, :func:`head_share_config`).
+    The DSP group is ``pg_collection.cp``.
     """
 
     def __init__(self, config: DSPTransformerConfig, layer_number: int, attn_mask_type: Any,
@@ -104,6 +113,8 @@ class HeadSwitchCoreAttention(MegatronModule):
                              "self-attention (cross-attention to replicated text stays local)")
         self.layer_number = layer_number
         self.group = pg_collection.cp
+        if getattr(local_attention, "__name__", "") == "TEDotProductAttention":
+            config = head_share_config(config, self.group.size(), self.group.rank())
         self.local = local_attention(config=config, layer_number=layer_number, attn_mask_type=attn_mask_type,
                                      attention_type=attention_type, attention_dropout=attention_dropout,
                                      softmax_scale=softmax_scale, cp_comm_type=cp_comm_type,
@@ -112,12 +123,7 @@ class HeadSwitchCoreAttention(MegatronModule):
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 attention_mask: torch.Tensor | None, attn_mask_type: Any = None,
                 attention_bias: torch.Tensor | None = None, packed_seq_params: Any = None) -> torch.Tensor:
-        scoped = _GRID.get()
-        if scoped is None:
-            raise ValueError(f"HeadSwitchCoreAttention (layer {self.layer_number}): no video grid in scope; it runs "
-                             "inside DSPFullAttentionLayer, or under attention_grid((T, S), shard_dim) when called "
-                             "directly")
-        grid, shard = scoped  # a full layer keeps its input's shard
+        grid, shard = _read_carrier(attention_mask, f"HeadSwitchCoreAttention (layer {self.layer_number})")
         frames, patches = local_grid(grid, shard, self.group.size(), self.group.rank())
         seq_dim = 0 if shard == FRAME_DIM else 1
         full_len = grid[shard - FRAME_DIM]
@@ -125,7 +131,7 @@ class HeadSwitchCoreAttention(MegatronModule):
         q, k, v = (t.unflatten(0, (frames, patches)) for t in (query, key, value))
         q, k, v = to_heads(q, k, v, seq_dim=seq_dim, head_dim=3, group=self.group, global_len=full_len)
         # [T, S, b, h_r, d] -> [T * S, b, h_r, d] -> local attention -> [T * S, b, h_r * d]
-        out = self.local(*(t.flatten(0, 1) for t in (q, k, v)), attention_mask, attn_mask_type=attn_mask_type,
+        out = self.local(*(t.flatten(0, 1) for t in (q, k, v)), None, attn_mask_type=attn_mask_type,
                          attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         # [T * S, b, h_r * d] -> [T, S, b, h_r, d] -> (from_heads) [T_x, S_x, b, h, d] -> [T_x * S_x, b, h * d]
         out = out.unflatten(-1, (q.shape[3], -1)).unflatten(0, (q.shape[0], q.shape[1]))
@@ -133,14 +139,30 @@ class HeadSwitchCoreAttention(MegatronModule):
         return out.flatten(3).flatten(0, 1)
 
 
+def head_share_config(config: DSPTransformerConfig, n: int, rank: int) -> DSPTransformerConfig:
+    """A copy of ``config`` whose heads per TP rank are those DSP rank ``rank`` of ``n`` holds after the head
+    switch (query heads and K/V groups, ``head_switch.local_head_counts``): Transformer Engine's core attention
+    is built for a fixed head count and checks it on every call. Every rank must hold a head (TE takes no empty
+    head dim), which every rank checks alike."""
+    import copy
+
+    tp = config.tensor_model_parallel_size
+    heads, kv_heads = config.num_attention_heads // tp, (config.num_query_groups or config.num_attention_heads) // tp
+    if heads < n:
+        raise ValueError(f"DSPFullAttentionLayer: the Transformer Engine core attention needs a head on every DSP "
+                         f"rank, but {heads} heads per TP rank (num_attention_heads {config.num_attention_heads} / "
+                         f"tp {tp}) over dsp size {n} leave ranks without one; use --dsp-size <= {heads} or "
+                         "--transformer-impl local (torch SDPA takes an empty head dim)")
+    local_heads, local_kv = local_head_counts(heads, kv_heads, n, rank)
+    share = copy.copy(config)  # no re-validation: only the two head counts differ
+    share.num_attention_heads, share.num_query_groups = local_heads * tp, local_kv * tp
+    return share
+
+
 def _with_head_switch(submodules: Any) -> Any:
     """The layer's submodules with the self-attention's core attention wrapped in the head switch."""
     attention = submodules.self_attention
     local = attention.submodules.core_attention
-    if getattr(local, "__name__", "") == "TEDotProductAttention":
-        raise ValueError("DSPFullAttentionLayer: the Transformer Engine core attention is built for the config's "
-                         "heads per TP rank, and a head shard holds fewer; use --transformer-impl local (torch "
-                         "SDPA, CPU and GPU) for models with full-attention layers")
     core = partial(HeadSwitchCoreAttention, local_attention=local)
     self_attention = ModuleSpec(module=attention.module, params=attention.params,
                                 submodules=dataclasses.replace(attention.submodules, core_attention=core))
@@ -160,12 +182,23 @@ class DSPFullAttentionLayer(DSPSpatialTemporalLayer):
                              f"{layer_kind(config, self.layer_number)!r} in dsp_attend_pattern="
                              f"{config.dsp_attend_pattern}; expected 'full'")
         self.add_positions = False
+        self.rope = config.position_embedding_type == "rope"  # 3-D: every token's global (t, h, w)
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        """The factorized layer's forward with the input's global grid scoped for the head switch."""
-        grid, shard = video_grid(hidden_states, f"{type(self).__name__} {self.layer_number}")
-        with attention_grid(grid, shard):
-            return super().forward(hidden_states, *args, **kwargs)
+    def _self_attention_mask(self, grid: tuple[int, int], shard: int) -> torch.Tensor:
+        return grid_carrier(grid, shard)  # the head switch's global lengths, through any recompute
+
+    def _rotary_table(self, rotary_pos_emb: Any, grid: tuple[int, int], shard: int,
+                      name: str) -> torch.Tensor | None:
+        """The 3-D table of the tokens this rank holds: its frames (or all) x all patches (or its)."""
+        if not self.rope:
+            return super()._rotary_table(rotary_pos_emb, grid, shard, name)
+        _, n, rank = self._dsp()
+        frames = shard_range(grid[0], n, rank) if shard == FRAME_DIM else slice(None)
+        patches = slice(None) if shard == FRAME_DIM else shard_range(grid[1], n, rank)
+        return full_layer_table(rotary_pos_emb, grid, frames, patches, name)
+
+    def _fold_rows(self, m: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return m[None]  # the fold [T_x * S_x, B, D] keeps the batch as it is
 
     def _fold(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, T_x, S_x, D] -> [T_x * S_x, B, D]``: the local tokens as one sequence (the head switch spans them)."""

@@ -55,7 +55,7 @@ from dsp_plugin.megatron.config import (
     output_shard_dim,
 )
 from dsp_plugin.megatron.dsp_layer import attach_video_grid
-from dsp_plugin.megatron.tokens import video_rope
+from dsp_plugin.megatron.rope import video_rope
 
 __all__ = ["STDiTMegatron", "VideoShape", "timestep_features"]
 
@@ -155,8 +155,10 @@ class STDiTMegatron(MegatronModule):
         # data: no gradient flows back; the tokens become [B, T_x, S_x, C] on this DSP rank
         shard = entry_shard_dim(self.config)
         tokens = split(tokens, shard, group=self.pg_collection.cp)
-        x = self.patch_embed(tokens.to(self.patch_embed.weight.dtype))
-        hidden = x.permute(1, 2, 0, 3).reshape(-1, batch, x.shape[-1])  # [B, T_x, S_x, D] -> [T_x*S_x, B, D]
+        # [B, T_x, S_x, C] -> [T_x, S_x, B, C] -> [T_x, S_x, B, D] -> [T_x*S_x, B, D], contiguous (the reorder is
+        # on the C-wide input; Megatron's checkpoint with --distribute-saved-activations flattens its input)
+        x = self.patch_embed(tokens.to(self.patch_embed.weight.dtype).permute(1, 2, 0, 3))
+        hidden = x.reshape(-1, batch, x.shape[-1])
         weight = self.time_embed[0].weight
         cond = self.time_embed(timestep_features(timestep, FREQ_DIM).to(weight.dtype))
         if self.config.dsp_adaln_single:

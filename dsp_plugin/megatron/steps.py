@@ -86,12 +86,18 @@ def dsp_config(video: VideoShape, **transformer_config: Any) -> DSPTransformerCo
 
 def reference_weights(config: DSPTransformerConfig, video: VideoShape, text_dim: int | None,
                       seed: int) -> dict[str, torch.Tensor]:
-    """State dict of the plain-torch reference ``STDiT`` drawn with ``seed`` (same on every rank)."""
+    """State dict of the plain-torch reference ``STDiT`` drawn with ``seed`` (same on every rank).
+
+    Only the CPU generator is touched, and put back: the reference is built on the CPU with torch's
+    initialisers, which draw from the default CPU generator, so that generator is forked and seeded
+    (``torch.manual_seed`` would also reseed every GPU's generator, which ``fork_rng(devices=[])`` does not
+    restore: after Megatron's per-stage seeding, every stage's CUDA stream would restart at ``seed``).
+    """
     from dsp_plugin.megatron.weights import reference_config
     from dsp_plugin.models.stdit import STDiT
 
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.default_generator.manual_seed(seed)
         return STDiT(reference_config(config, video.channels, text_dim, weights_only=True)).state_dict()
 
 
@@ -225,7 +231,10 @@ def model_config_from_args(args: argparse.Namespace) -> DSPTransformerConfig:
         config = core_transformer_config_from_args(args, config_class=DSPTransformerConfig)
     finally:
         args.context_parallel_size = saved
-    if config.activation_func is torch.nn.functional.gelu:  # Megatron's default: use the DiT's GELU
+    if config.activation_func is torch.nn.functional.gelu and not config.bias_activation_fusion:
+        # the DiT's GELU is the tanh approximation. Megatron's default --bias-gelu-fusion keeps F.gelu as the
+        # marker its MLP dispatches on ("Only support fusion of gelu and swiglu" for anything else), and its
+        # fused kernel (megatron.core.fusions.fused_bias_gelu.bias_gelu) already is the tanh approximation
         config.activation_func = gelu_tanh
     if ps.get_pipeline_model_parallel_world_size() > 1:
         config.variable_seq_lengths = True  # uneven shards and buckets: let Megatron exchange p2p shapes

@@ -9,8 +9,8 @@ through a ``TransformerBlock`` needs, around the block:
   frames and resolution may differ from batch to batch;
 - :func:`gather_video_tokens`: the block's output -> ``[B, T, S, D]`` on every rank
   (or keep it sharded and compute a per-token loss on the shard, as ``steps.loss_func`` does);
-- :func:`video_rope`: with ``position_embedding_type="rope"``, the ``rotary_pos_emb``
-  pair for the block, over the global frame and patch indices;
+- :func:`video_rope` (from ``rope.py``): with ``position_embedding_type="rope"``, the
+  ``rotary_pos_emb`` pair for the block, over the global frame and patch indices;
 - :func:`require_dsp_layers`: under ``--sequence-parallel-mode dsp`` a model with no DSP
   layer would silently run as plain context parallelism; this refuses it.
 
@@ -24,15 +24,9 @@ import torch
 from torch import nn
 
 from dsp_plugin.comm import chunk_sizes, gather, split
-from dsp_plugin.megatron.config import (
-    FRAME_DIM,
-    PATCH_DIM,
-    DSPTransformerConfig,
-    entry_shard_dim,
-    output_shard_dim,
-    rope_dims,
-)
+from dsp_plugin.megatron.config import FRAME_DIM, DSPTransformerConfig, entry_shard_dim, output_shard_dim
 from dsp_plugin.megatron.dsp_layer import attach_video_grid, video_grid
+from dsp_plugin.megatron.rope import video_rope
 
 __all__ = ["gather_video_tokens", "require_dsp_layers", "shard_range", "split_video_tokens", "video_rope"]
 
@@ -44,7 +38,9 @@ def split_video_tokens(x: torch.Tensor, config: DSPTransformerConfig, *, group: 
         raise ValueError(f"split_video_tokens: expected [B, T, S, D], got {tuple(x.shape)}")
     grid, shard = (x.shape[1], x.shape[2]), entry_shard_dim(config)
     x = split(x, shard, group=group)
-    tokens = x.permute(1, 2, 0, 3).reshape(-1, x.shape[0], x.shape[3])  # [B, T_x, S_x, D] -> [T_x*S_x, B, D]
+    # [B, T_x, S_x, D] -> [T_x*S_x, B, D], contiguous as Megatron's hidden states are (its checkpoint with
+    # --distribute-saved-activations flattens them)
+    tokens = x.permute(1, 2, 0, 3).contiguous().view(-1, x.shape[0], x.shape[3])
     return attach_video_grid(tokens, grid, shard)
 
 
@@ -70,36 +66,6 @@ def shard_range(length: int, dsp_size: int, dsp_rank: int) -> slice:
     sizes = chunk_sizes(length, dsp_size)
     start = sum(sizes[:dsp_rank])
     return slice(start, start + sizes[dsp_rank])
-
-
-def _angles(positions: torch.Tensor, pairs: int, base: float) -> torch.Tensor:
-    inv_freq = 1.0 / base ** (torch.arange(0, 2 * pairs, 2, dtype=torch.float32, device=positions.device)
-                              / (2 * pairs))  # Megatron's RotaryEmbedding.inv_freq for dim 2 * pairs
-    return torch.outer(positions.float(), inv_freq)
-
-
-def video_rope(config: DSPTransformerConfig, frames: int, height: int, width: int, *,
-               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """``rotary_pos_emb`` for a ``TransformerBlock`` of DSP layers: ``(temporal, spatial)`` tables
-    ``[L, 1, 1, head_dim]`` (Megatron's non-interleaved layout) over the **global** frame index and patch
-    ``(row, column)``, or None without RoPE. Each layer rotates its q and k by the table of the dim it
-    attends along, which is never sharded, so every local token gets its global position."""
-    dims = rope_dims(config)
-    if not dims:
-        return None
-    head_dim = config.kv_channels
-    base = float(config.rotary_base)
-
-    def table(freqs: torch.Tensor) -> torch.Tensor:
-        return torch.cat([freqs, freqs], dim=-1)[:, None, None, :]
-
-    temporal = table(_angles(torch.arange(frames, device=device), head_dim // 2, base))
-    spatial = None
-    if PATCH_DIM in dims:  # 2-D: the first half of the pairs by row, the second by column
-        patch = torch.arange(height * width, device=device)
-        spatial = table(torch.cat([_angles(patch // width, head_dim // 4, base),
-                                   _angles(patch % width, head_dim // 4, base)], dim=-1))
-    return temporal, spatial
 
 
 def require_dsp_layers(model: nn.Module) -> None:
