@@ -32,7 +32,7 @@ from torch import nn
 
 from dsp_plugin.comm import chunk_sizes, group_rank, group_size
 from dsp_plugin import layout as carrier
-from dsp_plugin.plan import ops, recompute
+from dsp_plugin.plan import dispatch, ops, recompute
 from dsp_plugin.plan.args import Args as _Args
 from dsp_plugin.plan.args import expand, map_tensors as _map_tensors
 from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
@@ -101,6 +101,7 @@ class _Runtime:
                 elif isinstance(spec, Block):
                     self.block_pre(path, a, spec)
                 elif isinstance(spec, Heads):
+                    dispatch.install()  # a backend registered after parallelize is wrapped too
                     enter_heads(path, self.group, spec.joint)
                 elif isinstance(spec, Gather) and spec.arg != "out":
                     a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
@@ -118,9 +119,13 @@ class _Runtime:
 
     def post(self, path: str, specs: list[Any]):  # noqa: ANN202
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            error: Exception | None = None
             for spec in reversed(specs):
                 if isinstance(spec, Heads):
-                    exit_heads()
+                    try:
+                        exit_heads()
+                    except RuntimeError as exc:  # raised after the other specs closed what they opened
+                        error = exc
                 elif isinstance(spec, Block):
                     output = self.block_post(path, spec, output)
                 elif output is None:
@@ -129,6 +134,8 @@ class _Runtime:
                     output = _map_tensors(output, lambda t, s=spec: self.split(f"{path}: Split('out')", t, s))
                 elif isinstance(spec, Gather) and spec.arg == "out":
                     output = _map_tensors(output, lambda t, s=spec: self.gather(f"{path}: Gather('out')", t, s))
+            if error is not None:
+                raise error
             return output
 
         return hook
@@ -240,6 +247,10 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None) -> nn.
     if getattr(model, "_dsp_plan_runtime", None) is not None or getattr(model, "_dsp_hooks", None):
         raise ValueError("parallelize: this model is already parallelized")
     rt = _Runtime(model, plan, group)
+    heads = [path for path, _, specs in rt.entries if any(isinstance(s, Heads) for s in specs)]
+    if heads:  # the head switch at diffusers' attention dispatch too (plan/dispatch.py)
+        dispatch.check_model(model, heads)
+        dispatch.install()
     rt.handles.append(model.register_forward_pre_hook(rt.root_pre, with_kwargs=True))
     for path, module, specs in rt.entries:
         specs = [s for s in specs if not isinstance(s, Grid)]
