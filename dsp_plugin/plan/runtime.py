@@ -34,7 +34,7 @@ from dsp_plugin.comm import chunk_sizes, group_rank, group_size
 from dsp_plugin import layout as carrier
 from dsp_plugin.plan import dispatch, ops, recompute
 from dsp_plugin.plan.args import Args as _Args
-from dsp_plugin.plan.args import expand, map_tensors as _map_tensors
+from dsp_plugin.plan.args import expand, map_tensors as _map_tensors, tensors as _tensors
 from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
 from dsp_plugin.plan.placement import complete as _complete, is_full as _is_full, split_rows as _split_rows
 from dsp_plugin.plan.attention import enter_heads, exit_heads
@@ -93,9 +93,13 @@ class _Runtime:
             originals = {spec.arg: a.get(spec.arg) for spec in specs if isinstance(spec, OnShard)}
             for spec in specs:
                 if isinstance(spec, Split) and spec.arg != "out":
-                    value, where = a.get(spec.arg), f"{path}: Split({spec.arg!r})"
-                    if isinstance(value, tuple):  # a pair of tables (RoPE's cos, sin): each split alike
-                        a.set(spec.arg, tuple(self.split(where, t, spec) for t in value))
+                    where = f"{path}: Split({spec.arg!r})"
+                    try:
+                        value = a.get(spec.arg)
+                    except ValueError as exc:  # a path into something that is not a tuple
+                        raise ValueError(f"{where}: {exc}") from None
+                    if isinstance(value, (tuple, list)):  # RoPE's (cos, sin), Allegro's nested tables: each leaf
+                        a.set(spec.arg, _map_tensors(value, lambda t, w=where, s=spec: self.split(w, t, s)))
                     elif value is not None:  # an optional input the caller left out stays out
                         a.set(spec.arg, self.split(where, value, spec))
                 elif isinstance(spec, Block):
@@ -119,6 +123,8 @@ class _Runtime:
 
     def post(self, path: str, specs: list[Any]):  # noqa: ANN202
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            # inside out, whatever the plan's order: the head switch's call closes, then the block (which tags
+            # its activation), then the module's output is split or gathered
             error: Exception | None = None
             for spec in reversed(specs):
                 if isinstance(spec, Heads):
@@ -126,19 +132,30 @@ class _Runtime:
                         exit_heads()
                     except RuntimeError as exc:  # raised after the other specs closed what they opened
                         error = exc
-                elif isinstance(spec, Block):
+            for spec in reversed(specs):
+                if isinstance(spec, Block):
                     output = self.block_post(path, spec, output)
-                elif output is None:
-                    continue
-                elif isinstance(spec, Split) and spec.arg == "out":
+            for spec in specs:
+                if output is None:
+                    break
+                if isinstance(spec, Split) and spec.arg == "out":
                     output = _map_tensors(output, lambda t, s=spec: self.split(f"{path}: Split('out')", t, s))
                 elif isinstance(spec, Gather) and spec.arg == "out":
-                    output = _map_tensors(output, lambda t, s=spec: self.gather(f"{path}: Gather('out')", t, s))
+                    output = self.gather_out(f"{path}: Gather('out')", output, spec)
             if error is not None:
                 raise error
             return output
 
         return hook
+
+    def gather_out(self, where: str, output: Any, spec: Gather) -> Any:
+        """A module's output gathered: every tensor of it that carries a shard tag in the layout, or, if none
+        does, its first (a block's activation, placed by the frame); other tensors (text carried beside the
+        video, replicated on every rank) pass through."""
+        leaves = _tensors(output)
+        sharded = [ops.read_spec(t, spec.layout) is not None for t in leaves]
+        chosen = iter(sharded if any(sharded) else [i == 0 for i in range(len(leaves))])
+        return _map_tensors(output, lambda t: self.gather(where, t, spec) if next(chosen) else t)
 
     def split(self, where: str, x: Any, spec: Split) -> Any:
         if not isinstance(x, torch.Tensor):
