@@ -158,11 +158,14 @@ class Block:
 
 @dataclass(frozen=True)
 class Heads:
-    """Full attention inside this module: ``scaled_dot_product_attention`` runs on the head shard.
+    """Full attention inside this module runs on the head shard, whichever kernel it calls.
 
-    q, k, v ``[B, H, L_local, Dh]`` switch to ``[B, H_local, L, Dh]`` (one packed
-    all-to-all), attend locally, and the output switches back (one more). The
-    global ``L`` is that of the enclosing ``Block``'s activation.
+    The attention, through ``scaled_dot_product_attention`` or any backend of
+    diffusers' attention dispatch (``dsp_plugin.plan.attention``), gets q, k, v
+    switched from ``L_local`` tokens and all heads to ``L`` tokens and this rank's
+    heads (one packed all-to-all), attends locally, and the output switches back
+    (one more). The global ``L`` is that of the enclosing ``Block``'s activation.
+    A mask built for the global sequence passes through (``plan.masks``).
 
     ``joint="first"`` / ``"last"``: joint attention, where the module concatenates
     tokens that belong to no position of the sharded sequence and are the same on
