@@ -124,18 +124,25 @@ def _error(fn: object) -> str:
 
 
 def _masks_worker(rank: int, n: int) -> dict[str, object]:
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
     import dsp_plugin
     from dsp_plugin import reduce_gradients
 
+    logging.getLogger("diffusers").setLevel(logging.ERROR)  # checks on: "Removing unsupported arguments"
     torch.set_default_dtype(torch.float64)
     g = torch.Generator().manual_seed(3)
     video, text, target = (torch.randn(2, TOKENS, 4, generator=g), torch.randn(2, TEXT, 4, generator=g),
                            torch.randn(2, TOKENS, 4, generator=g))
     result: dict[str, object] = {}
     for kind, (joint, mask) in _masks(g).items():
-        for via in ("sdpa", "dispatch"):
+        for via, checked in (("sdpa", False), ("dispatch", False), ("dispatch", True)):
             if kind == "padding_2d" and via == "sdpa":
                 continue  # SDPA reads a 2-D mask as [Lq, Lk]; the [B, Lk] form is diffusers' (its backends convert)
+            if checked and kind != "padding_4d":
+                continue
+            # DIFFUSERS_ATTN_CHECKS=1: diffusers' shape check runs after the switch, on what the kernel sees
+            _AttentionBackendRegistry._checks_enabled = checked
             reference = MaskedDiT(via)
             model = dsp_plugin.parallelize(MaskedDiT(via), _plan("last" if joint else None))
             out_ref, dx_ref, g_ref = _run(reference, video, text if joint else None, mask, target)
@@ -143,8 +150,10 @@ def _masks_worker(rank: int, n: int) -> dict[str, object]:
             reduce_gradients(model.parameters())
             dist.all_reduce(dx)
             grads = {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
-            result[f"{kind}/{via}"] = max((out - out_ref).abs().max().item(), (dx - dx_ref).abs().max().item(),
-                                          max((grads[k] - g_ref[k]).abs().max().item() for k in g_ref))
+            result[f"{kind}/{via}" + ("_checked" if checked else "")] = max(
+                (out - out_ref).abs().max().item(), (dx - dx_ref).abs().max().item(),
+                max((grads[k] - g_ref[k]).abs().max().item() for k in g_ref))
+    _AttentionBackendRegistry._checks_enabled = False
     # refused on every rank: a mask sized by the local tokens (one token per rank, and more), a head dim of 2
     for via in ("sdpa", "dispatch"):
         model = dsp_plugin.parallelize(MaskedDiT(via, local_mask=True), _plan(None))
