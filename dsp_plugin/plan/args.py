@@ -13,7 +13,7 @@ from torch import nn
 from dsp_plugin.plan.frames import OnShard
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["Args", "expand", "map_tensors"]
+__all__ = ["Args", "expand", "map_tensors", "tensors"]
 
 
 def expand(model: nn.Module, plan: dict[str, Any]) -> list[tuple[str, nn.Module, list[Any]]]:
@@ -52,32 +52,68 @@ def _signature(forward: Any) -> inspect.Signature:
 
 
 class Args:
-    """A module call's arguments by name (``inspect.signature`` of its forward)."""
+    """A module call's arguments by name (``inspect.signature`` of its forward).
+
+    An argument is named by its name or position, or by a path into a nested
+    tuple/list argument: ``("image_rotary_emb", 1)`` is element 1 of that argument.
+    """
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.sig = _signature(module.forward)
         self.bound = self.sig.bind_partial(*args, **kwargs)
 
-    def name(self, arg: str | int) -> str:
+    def name(self, arg: str | int | tuple[Any, ...]) -> str:
+        if isinstance(arg, tuple):
+            return self.name(arg[0])
         return list(self.sig.parameters)[arg] if isinstance(arg, int) else arg
 
-    def get(self, arg: str | int) -> Any:
-        return self.bound.arguments.get(self.name(arg))
+    def get(self, arg: str | int | tuple[Any, ...]) -> Any:
+        value = self.bound.arguments.get(self.name(arg))
+        for i, index in enumerate(arg[1:] if isinstance(arg, tuple) else ()):
+            if value is None:  # an optional argument the caller left out stays out
+                return None
+            if not isinstance(value, (tuple, list)) or not -len(value) <= index < len(value):
+                raise ValueError(f"argument path {arg!r}: {arg[:i + 1]!r} is {_describe(value)}; expected a "
+                                 f"tuple or list with an element {index}")
+            value = value[index]
+        return value
 
-    def set(self, arg: str | int, value: Any) -> None:
+    def set(self, arg: str | int | tuple[Any, ...], value: Any) -> None:
+        if isinstance(arg, tuple) and len(arg) > 1:  # rebuild the nested tuples/lists around the new element
+            parent = self.get(arg[:-1])
+            items = list(parent)
+            items[arg[-1]] = value
+            value = type(parent)(items) if isinstance(parent, list) or type(parent) is tuple else type(parent)(*items)
+            return self.set(arg[:-1], value)
         self.bound.arguments[self.name(arg)] = value
 
     def out(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         return tuple(self.bound.args), dict(self.bound.kwargs)
 
 
+def _describe(value: Any) -> str:
+    return f"a tuple of {len(value)}" if isinstance(value, (tuple, list)) else type(value).__name__
+
+
 def map_tensors(out: Any, fn: Any) -> Any:
+    """``out`` with ``fn`` applied to every tensor in it (nested tuples, lists, dicts); other values as they are."""
     if isinstance(out, torch.Tensor):
         return fn(out)
-    if isinstance(out, tuple) and not hasattr(out, "_fields"):
-        return tuple(map_tensors(o, fn) for o in out)
+    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
+        return type(out)(map_tensors(o, fn) for o in out)
     if isinstance(out, dict):  # diffusers' BaseOutput is an OrderedDict that mirrors attributes
         for k in list(out.keys()):
             out[k] = map_tensors(out[k], fn)
         return out
     return out
+
+
+def tensors(out: Any) -> list[torch.Tensor]:
+    """The tensors ``map_tensors`` visits, in its order (nothing is changed)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
+        return [t for o in out for t in tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in tensors(o)]
+    return []

@@ -1,31 +1,53 @@
 """``Heads``: a module's full attention runs on the head shard, through the head switch.
 
-Inside a ``Heads`` module, every ``torch.nn.functional.scaled_dot_product_attention``
-call (the one the model's own attention code makes, whatever its processor) is
-intercepted by a ``TorchFunctionMode`` that lives only for that module's call:
-q, k, v ``[B, H, L_local, Dh]`` sharded on the sequence become ``[B, H_local, L, Dh]``
-(``dsp_plugin.head_switch.to_heads``: one packed all-to-all), attention runs locally on
-the full sequence, and the output goes back to the sequence shard
-(``from_heads``: one more). Attention outside ``Heads`` modules (text
-cross-attention) is untouched: local, no communication.
+Inside a ``Heads`` module the attention is intercepted at two levels, whichever the
+model reaches first, never both for one call:
+
+- diffusers' attention dispatch (``dispatch_attention_fn``): every backend of its
+  registry (``flash``, ``flex``, ``sage``, ``xformers``, ``_flash_3``, the native
+  ones, one a user registers) is wrapped (``dsp_plugin.plan.dispatch``); layout
+  ``[B, L, H, Dh]``. While the backend runs, the SDPA level is off (the native
+  backends call SDPA themselves);
+- ``torch.nn.functional.scaled_dot_product_attention``, for models that call it
+  directly, by a ``TorchFunctionMode`` that lives only for the module's call;
+  layout ``[B, H, L, Dh]``.
+
+Both go through one :meth:`HeadsCall.attend`: q, k, v sharded on the sequence
+switch to the head shard (``dsp_plugin.head_switch.to_heads``: one packed
+all-to-all), the kernel attends over the full sequence with this rank's heads,
+and the output switches back (``from_heads``: one more). Attention outside
+``Heads`` modules (text cross-attention) is untouched: local, no communication.
+A ``Heads`` module whose call ends without any attention intercepted (the model
+used a kernel neither level sees) raises, on every rank: its attention saw only
+this rank's tokens.
 
 With ``Heads(joint=...)`` the call holds ``R`` replicated tokens beside this
 rank's ``L_local`` (text in joint attention, at the front or the back): their
 q, k, v are narrowed to this rank's heads (no communication), the attention runs
-on ``[B, H_local, R + L, Dh]``, and their output comes back with every head,
-replicated, inside ``from_heads``' all-to-all (each rank's heads of it sent to
-every rank; backward sums the ranks' gradients). Packing it there instead of a
-separate all_gather over heads saves a collective each way and the all_gather's
-padding of uneven head chunks (``tests/test_plan_joint.py`` measures both).
+on ``R + L`` tokens, and their output comes back with every head, replicated,
+inside ``from_heads``' all-to-all (each rank's heads of it sent to every rank;
+backward sums the ranks' gradients). Packing it there instead of a separate
+all_gather over heads saves a collective each way and the all_gather's padding
+of uneven head chunks (``tests/test_plan_joint.py`` measures both).
 
-The global ``L`` is read from the enclosing ``Block``'s placement. Modes are
-per thread, so two threads may run the model at once.
+An attention mask is laid out for the attention after the switch
+(``dsp_plugin.plan.masks``): built for the global sequence, it is passed on
+unchanged (a head dim narrowed to this rank's heads); one the runtime cannot
+place is refused on every rank, through ``to_heads``' cross-rank check.
+
+The global ``L`` is read from the enclosing ``Block``'s placement. Calls are per
+thread, so two threads may run the model at once. Under activation
+checkpointing each attention call of a module call is its own replay key
+(``plan.recompute``), so a module that attends several times per forward
+(Mochi: once per sample) replays all of them.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,92 +56,135 @@ from torch.overrides import TorchFunctionMode
 
 from dsp_plugin.comm import chunk_sizes, group_rank, group_size
 from dsp_plugin.plan import recompute
+from dsp_plugin.plan.masks import check_mask, place_mask
 
-__all__ = ["enter_heads", "exit_heads"]
+__all__ = ["HeadsCall", "current_call", "enter_heads", "exit_heads"]
 
 _local = threading.local()
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
+# kernel(q, k, v, mask) -> out, on the head shard, in the layout of its inputs
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Any], torch.Tensor]
 
-class _HeadSwitchMode(TorchFunctionMode):
+
+class HeadsCall:
+    """One call of a ``Heads`` module: the sequence's (local, global) lengths and the attention calls it switched.
+
+    ``lengths``: the axes folded into the attention's sequence dim (Wan's F*H*W
+    tokens sharded on F), ``(local, global)`` each; ``axis``: which one is
+    sharded. The switch runs on that axis of the unfolded view.
+    """
+
     def __init__(self, where: str, lengths: list[tuple[int, int]], axis: int, group: Any,
                  joint: str | None = None) -> None:
-        super().__init__()
-        # the sequence dim may fold several axes (Wan's F*H*W tokens sharded on F): (local, global) length
-        # of each, and which one is sharded; the switch runs on that axis of the unfolded view
         self.where, self.lengths, self.axis, self.group, self.joint = where, lengths, axis, group, joint
+        self.attended = 0        # attention calls intercepted in this module call (each its own replay key)
+        self.in_kernel = False   # a kernel is running: the SDPA it calls itself is not switched again
+        self.mode = _HeadSwitchMode(self)
+
+    def attend(self, kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, *, seq: int,
+               head: int, error: Exception | None = None) -> torch.Tensor:
+        """``kernel`` over the whole sequence with this rank's heads; q, k, v ``[.., R + L_local, .., H, ..]``.
+
+        ``seq`` / ``head``: the sequence and head dims of the layout (SDPA: 2, 1;
+        diffusers' dispatch: 1, 2). ``error``: the caller's own refusal, raised on
+        every rank through ``to_heads``' check, like every error found here.
+        """
+        from dsp_plugin.head_switch.exchange import _to_heads, from_heads, head_ranges
+
+        call, self.attended = self.attended, self.attended + 1
+        heads, local, full = q.shape[head], [a for a, _ in self.lengths], [b for _, b in self.lengths]
+        width, mine, total = len(self.lengths), math.prod(local), math.prod(full)
+        count = q.shape[seq] - mine
+        if error is None:
+            error = self._check(q, k, mask, seq, head, count, total)
+        if error is not None:  # raised on every rank, by to_heads' check before its all-to-all
+            _to_heads(q, k, v, seq_dim=seq, head_dim=head, group=self.group, global_len=None, replicated=None,
+                      error=error)
+            raise error
+        # the switch runs on the sharded axis of the unfolded sequence: [.., *lengths, ..]
+        sharded, head_at = seq + self.axis, head + (width - 1 if head > seq else 0)
+        first = self.joint == "first"
+        text_at, own_at = (0, count) if first else (mine, 0)
+        own = tuple(t.narrow(seq, own_at, mine).unflatten(seq, local) for t in (q, k, v))
+        whole = [count if i == self.axis else 1 for i in range(width)]  # R tokens on the sharded axis
+        text = tuple(t.narrow(seq, text_at, count).unflatten(seq, whole) for t in (q, k, v)) if self.joint else ()
+        switched = recompute.replay((self.where, "to_heads", call), lambda *qkv: _to_heads(
+            *qkv[:3], seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis],
+            replicated=qkv[3:] or None), *own, *text, enabled=k.shape[head] == heads)
+
+        def joined(tokens: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
+            tokens = tokens.flatten(seq, seq + width - 1)
+            if text is None:
+                return tokens
+            pair = (text.flatten(seq, seq + width - 1), tokens)
+            return torch.cat(pair if first else pair[::-1], dim=seq)
+
+        q, k, v = (joined(t, switched[i + 3] if self.joint else None) for i, t in enumerate(switched[:3]))
+        mine_heads = head_ranges(heads, group_size(self.group))[group_rank(self.group)]
+        if mine_heads[1] == 0:  # more ranks than heads: nothing to attend here (some kernels divide by the heads);
+            out = v.clone()     # an empty output still in the graph, so this rank's backward meets its peers'
+        else:
+            self.in_kernel = True
+            try:
+                out = kernel(q, k, v, place_mask(mask, heads, mine_heads))
+            finally:
+                self.in_kernel = False
+        own_out = out.narrow(seq, count if first else 0, total).unflatten(seq, full)
+        if not self.joint:
+            out = recompute.replay((self.where, "from_heads", call), lambda o: from_heads(
+                o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis], heads=heads),
+                own_out)
+            return out.flatten(seq, seq + width - 1)
+        text_out = out.narrow(seq, 0 if first else total, count).unflatten(seq, whole)
+        out, text_out = recompute.replay((self.where, "from_heads", call), lambda o, o_t: from_heads(
+            o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis], heads=heads,
+            replicated=o_t), own_out, text_out)
+        return joined(out, text_out)
+
+    def _check(self, q: torch.Tensor, k: torch.Tensor, mask: Any, seq: int, head: int, count: int,
+               total: int) -> ValueError | None:
+        """This rank's reason not to switch (found before any collective), or None."""
+        local = [a for a, _ in self.lengths]
+        if q.shape[seq] != k.shape[seq]:
+            return ValueError(f"{self.where}: Heads is for self-attention; got {q.shape[seq]} queries and "
+                              f"{k.shape[seq]} keys on this rank (leave cross-attention out of Heads)")
+        if self.joint is None and count:
+            return ValueError(f"{self.where}: the attention holds {q.shape[seq]} tokens, this rank's shard of the "
+                              f"sequence {[b for _, b in self.lengths]} is {math.prod(local)}; if the module joins "
+                              f"tokens every rank holds whole (text in joint attention), say where: "
+                              f"Heads(joint='first' or 'last')")
+        if count < 0:
+            return ValueError(f"{self.where}: Heads(joint={self.joint!r}) expects the replicated tokens plus this "
+                              f"rank's {math.prod(local)} tokens of the sequence {[b for _, b in self.lengths]}, "
+                              f"got {q.shape[seq]} tokens")
+        why = check_mask(self.where, mask, batch=q.shape[0], heads=q.shape[head], queries=total + count,
+                         keys=total + count, local_keys=q.shape[seq])
+        return None if why is None else ValueError(why)
+
+
+class _HeadSwitchMode(TorchFunctionMode):
+    """``scaled_dot_product_attention`` inside a ``Heads`` module call, through ``HeadsCall.attend``."""
+
+    def __init__(self, call: HeadsCall) -> None:
+        super().__init__()
+        self.call = call
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = dict(kwargs or {})
-        if func is not F.scaled_dot_product_attention:
+        if func is not F.scaled_dot_product_attention or self.call.in_kernel:
             return func(*args, **kwargs)
-        call = dict(zip(_SDPA, args)) | kwargs
-        q, k, v = call.pop("query"), call.pop("key"), call.pop("value")
-        mask = call.get("attn_mask")
-        if mask is not None and mask.dim() >= 2 and (mask.shape[-2] != 1 or (mask.dim() >= 3 and mask.shape[-3] != 1)):
-            raise ValueError(f"{self.where}: Heads attention takes no mask over queries or heads (got a mask of "
-                             f"shape {tuple(mask.shape)}); expected None or a key-only mask [.., 1, 1, L]")
-        if q.shape[-2] != k.shape[-2]:
-            raise ValueError(f"{self.where}: Heads is for self-attention; got {q.shape[-2]} queries and "
-                             f"{k.shape[-2]} keys on this rank (leave cross-attention out of Heads)")
-        if self.joint is not None:
-            if mask is not None:
-                raise ValueError(f"{self.where}: Heads(joint={self.joint!r}) takes no attention mask (got one of "
-                                 f"shape {tuple(mask.shape)}); expected None")
-            return self._joint(func, q, k, v, call)
-        from dsp_plugin.head_switch import from_heads, to_heads
+        sdpa = dict(zip(_SDPA, args)) | kwargs
+        q, k, v = sdpa.pop("query"), sdpa.pop("key"), sdpa.pop("value")
+        mask = sdpa.pop("attn_mask", None)
+        return self.call.attend(lambda q, k, v, m: func(q, k, v, attn_mask=m, **sdpa), q, k, v, mask, seq=2, head=1)
 
-        heads, local, full = q.shape[1], [a for a, _ in self.lengths], [b for _, b in self.lengths]
-        seq, width = 2 + self.axis, len(self.lengths)
-        if q.shape[2] != math.prod(local):
-            raise ValueError(f"{self.where}: the attention holds {q.shape[2]} tokens, this rank's shard of the "
-                             f"sequence {full} is {math.prod(local)}; if the module joins tokens every rank holds "
-                             f"whole (text in joint attention), say where: Heads(joint='first' or 'last')")
-        q, k, v = (t.unflatten(2, local) for t in (q, k, v))
-        q, k, v = recompute.replay((self.where, "to_heads"), lambda *qkv: to_heads(  # GQA: not kept (recompute.py)
-            *qkv, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis]), q, k, v,
-            enabled=k.shape[1] == heads)
-        out = func(*(t.flatten(2, 1 + width) for t in (q, k, v)), **call).unflatten(2, full)
-        out = recompute.replay((self.where, "from_heads"), lambda o: from_heads(
-            o, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis], heads=heads), out)
-        return out.flatten(2, 1 + width)
 
-    def _joint(self, func: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: dict[str, Any]) -> Any:
-        """``[B, H, R + L_local, Dh]`` (R replicated tokens first or last) through the head switch and back."""
-        from dsp_plugin.head_switch.exchange import _to_heads, from_heads
-
-        heads, local, full = q.shape[1], [a for a, _ in self.lengths], [b for _, b in self.lengths]
-        seq, width, first = 2 + self.axis, len(self.lengths), self.joint == "first"
-        mine, total = math.prod(local), math.prod(full)
-        count = q.shape[2] - mine
-        if count < 0:  # raised on every rank, by to_heads' check before its all-to-all
-            error = ValueError(f"{self.where}: Heads(joint={self.joint!r}) expects the replicated tokens plus this "
-                               f"rank's {mine} tokens of the sequence {full}, got {q.shape[2]} tokens")
-            _to_heads(q, k, v, seq_dim=2, head_dim=1, group=self.group, global_len=None, replicated=None,
-                      error=error)
-            raise error
-        # the replicated tokens as [B, H, 1.., R, 1.., Dh]: R on the sharded axis of the unfolded grid
-        whole = [count if i == self.axis else 1 for i in range(width)]
-        text_at, own_at = (0, count) if first else (mine, 0)
-        text = tuple(t.narrow(2, text_at, count).unflatten(2, whole) for t in (q, k, v))
-        own = tuple(t.narrow(2, own_at, mine).unflatten(2, local) for t in (q, k, v))
-        q, k, v, q_t, k_t, v_t = recompute.replay((self.where, "to_heads"), lambda *qkv: _to_heads(
-            *qkv[:3], seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis], replicated=qkv[3:]),
-            *own, *text, enabled=k.shape[1] == heads)
-
-        def joined(tokens: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-            pair = (text.flatten(2, 1 + width), tokens.flatten(2, 1 + width))
-            return torch.cat(pair if first else pair[::-1], dim=2)
-
-        out = func(joined(q, q_t), joined(k, k_t), joined(v, v_t), **call)
-        text_at, own_at = (0, count) if first else (total, 0)
-        out_t = out.narrow(2, text_at, count).unflatten(2, whole)
-        out = out.narrow(2, own_at, total).unflatten(2, full)
-        out, out_t = recompute.replay((self.where, "from_heads"), lambda o, o_t: from_heads(
-            o, seq_dim=seq, head_dim=1, group=self.group, global_len=full[self.axis], heads=heads, replicated=o_t),
-            out, out_t)
-        return joined(out, out_t)
+def current_call() -> HeadsCall | None:
+    """The innermost ``Heads`` module call of this thread, or None."""
+    calls = getattr(_local, "calls", None)
+    return calls[-1] if calls else None
 
 
 def enter_heads(where: str, group: Any, joint: str | None = None) -> None:
@@ -133,14 +198,25 @@ def enter_heads(where: str, group: Any, joint: str | None = None) -> None:
     names = lay.dims[lay.dim_of(shard)]
     n, rank = group_size(group), group_rank(group)
     lengths = [(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a], grid[a]) for a in names]
-    mode = _HeadSwitchMode(where, lengths, names.index(shard), group, joint)
-    mode.__enter__()
-    if not hasattr(_local, "modes"):
-        _local.modes = []
-    _local.modes.append(mode)
+    call = HeadsCall(where, lengths, names.index(shard), group, joint)
+    call.mode.__enter__()
+    if not hasattr(_local, "calls"):
+        _local.calls = []
+    _local.calls.append(call)
 
 
 def exit_heads() -> None:
-    modes = getattr(_local, "modes", [])
-    if modes:
-        modes.pop().__exit__(None, None, None)
+    """Close this thread's innermost ``Heads`` call; raise if it intercepted no attention (its forward returned)."""
+    calls = getattr(_local, "calls", [])
+    if not calls:
+        return
+    call = calls.pop()
+    call.mode.__exit__(None, None, None)
+    if call.attended == 0 and sys.exc_info()[1] is None:
+        local = [a for a, _ in call.lengths]
+        raise RuntimeError(
+            f"{call.where}: this Heads module finished without an attention call the head switch intercepted "
+            f"(neither torch.nn.functional.scaled_dot_product_attention nor a diffusers attention backend ran "
+            f"inside it), so its attention saw only this rank's {math.prod(local)} tokens. Expected its attention "
+            f"through one of those two; for a custom kernel, register it as a diffusers attention backend or call "
+            f"dsp_plugin.to_heads / from_heads around it (docs/models.md, 'Attention backends')")

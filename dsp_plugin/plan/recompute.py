@@ -25,8 +25,10 @@ node that triggered it (nodes are numbered in creation order, per thread: output
 are kept only on the thread that opened the generation). Only the newest
 generation is kept, so a recompute of an older forward (two forwards, then their
 backwards) runs its collectives; a call site met twice in one generation (a module
-called twice) keeps nothing. Every decision follows the program order, never the
-data, so all ranks skip the same collectives.
+called twice) keeps nothing. A head switch's key carries the index of the attention
+call within its module's call (Mochi attends once per sample), which the recompute
+of that module call meets again in the same order. Every decision follows the
+program order, never the data, so all ranks skip the same collectives.
 
 Memory: each kept output lives from its forward until its recompute takes it, or
 until the end of the backward that reached it, or until the next forward starts;

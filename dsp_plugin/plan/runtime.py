@@ -32,9 +32,9 @@ from torch import nn
 
 from dsp_plugin.comm import chunk_sizes, group_rank, group_size
 from dsp_plugin import layout as carrier
-from dsp_plugin.plan import ops, recompute
+from dsp_plugin.plan import dispatch, ops, recompute
 from dsp_plugin.plan.args import Args as _Args
-from dsp_plugin.plan.args import expand, map_tensors as _map_tensors
+from dsp_plugin.plan.args import expand, map_tensors as _map_tensors, tensors as _tensors
 from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
 from dsp_plugin.plan.placement import complete as _complete, is_full as _is_full, split_rows as _split_rows
 from dsp_plugin.plan.attention import enter_heads, exit_heads
@@ -93,14 +93,19 @@ class _Runtime:
             originals = {spec.arg: a.get(spec.arg) for spec in specs if isinstance(spec, OnShard)}
             for spec in specs:
                 if isinstance(spec, Split) and spec.arg != "out":
-                    value, where = a.get(spec.arg), f"{path}: Split({spec.arg!r})"
-                    if isinstance(value, tuple):  # a pair of tables (RoPE's cos, sin): each split alike
-                        a.set(spec.arg, tuple(self.split(where, t, spec) for t in value))
+                    where = f"{path}: Split({spec.arg!r})"
+                    try:
+                        value = a.get(spec.arg)
+                    except ValueError as exc:  # a path into something that is not a tuple
+                        raise ValueError(f"{where}: {exc}") from None
+                    if isinstance(value, (tuple, list)):  # RoPE's (cos, sin), Allegro's nested tables: each leaf
+                        a.set(spec.arg, _map_tensors(value, lambda t, w=where, s=spec: self.split(w, t, s)))
                     elif value is not None:  # an optional input the caller left out stays out
                         a.set(spec.arg, self.split(where, value, spec))
                 elif isinstance(spec, Block):
                     self.block_pre(path, a, spec)
                 elif isinstance(spec, Heads):
+                    dispatch.install()  # a backend registered after parallelize is wrapped too
                     enter_heads(path, self.group, spec.joint)
                 elif isinstance(spec, Gather) and spec.arg != "out":
                     a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
@@ -118,20 +123,39 @@ class _Runtime:
 
     def post(self, path: str, specs: list[Any]):  # noqa: ANN202
         def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
+            # inside out, whatever the plan's order: the head switch's call closes, then the block (which tags
+            # its activation), then the module's output is split or gathered
+            error: Exception | None = None
             for spec in reversed(specs):
                 if isinstance(spec, Heads):
-                    exit_heads()
-                elif isinstance(spec, Block):
+                    try:
+                        exit_heads()
+                    except RuntimeError as exc:  # raised after the other specs closed what they opened
+                        error = exc
+            for spec in reversed(specs):
+                if isinstance(spec, Block):
                     output = self.block_post(path, spec, output)
-                elif output is None:
-                    continue
-                elif isinstance(spec, Split) and spec.arg == "out":
+            for spec in specs:
+                if output is None:
+                    break
+                if isinstance(spec, Split) and spec.arg == "out":
                     output = _map_tensors(output, lambda t, s=spec: self.split(f"{path}: Split('out')", t, s))
                 elif isinstance(spec, Gather) and spec.arg == "out":
-                    output = _map_tensors(output, lambda t, s=spec: self.gather(f"{path}: Gather('out')", t, s))
+                    output = self.gather_out(f"{path}: Gather('out')", output, spec)
+            if error is not None:
+                raise error
             return output
 
         return hook
+
+    def gather_out(self, where: str, output: Any, spec: Gather) -> Any:
+        """A module's output gathered: every tensor of it that carries a shard tag in the layout, or, if none
+        does, its first (a block's activation, placed by the frame); other tensors (text carried beside the
+        video, replicated on every rank) pass through."""
+        leaves = _tensors(output)
+        sharded = [ops.read_spec(t, spec.layout) is not None for t in leaves]
+        chosen = iter(sharded if any(sharded) else [i == 0 for i in range(len(leaves))])
+        return _map_tensors(output, lambda t: self.gather(where, t, spec) if next(chosen) else t)
 
     def split(self, where: str, x: Any, spec: Split) -> Any:
         if not isinstance(x, torch.Tensor):
@@ -240,6 +264,10 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None) -> nn.
     if getattr(model, "_dsp_plan_runtime", None) is not None or getattr(model, "_dsp_hooks", None):
         raise ValueError("parallelize: this model is already parallelized")
     rt = _Runtime(model, plan, group)
+    heads = [path for path, _, specs in rt.entries if any(isinstance(s, Heads) for s in specs)]
+    if heads:  # the head switch at diffusers' attention dispatch too (plan/dispatch.py)
+        dispatch.check_model(model, heads)
+        dispatch.install()
     rt.handles.append(model.register_forward_pre_hook(rt.root_pre, with_kwargs=True))
     for path, module, specs in rt.entries:
         specs = [s for s in specs if not isinstance(s, Grid)]

@@ -93,15 +93,27 @@ class Grid:
 
 @dataclass(frozen=True)
 class Split:
-    """Split argument ``arg`` (a name, a position, or ``"out"`` for every tensor output) on ``shard``."""
+    """Split argument ``arg`` on axis ``shard`` of ``layout``.
 
-    arg: str | int
+    ``arg``: a name, a position, ``"out"`` for every tensor of the output, or a
+    path into a nested tuple/list argument, ``("image_rotary_emb", 1)`` (Allegro's
+    RoPE is ``((cos, sin) per axis, positions per axis)``: only the positions
+    follow the tokens). A tuple or list reached is split at every tensor in it,
+    each in ``layout`` (RoPE's ``(cos, sin)``).
+    """
+
+    arg: str | int | tuple[str | int, ...]
     layout: str | Layout
     shard: str
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", _layout(self.layout))
         self.layout.dim_of(self.shard)  # type: ignore[union-attr]
+        if isinstance(self.arg, tuple) and (
+                not self.arg or not isinstance(self.arg[0], (str, int)) or self.arg[0] == "out"
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in self.arg[1:])):
+            raise ValueError(f"Split(arg={self.arg!r}); expected a path (argument name or position, then element "
+                             f"indices into nested tuples), e.g. ('image_rotary_emb', 1)")
 
 
 @dataclass(frozen=True)
@@ -146,11 +158,14 @@ class Block:
 
 @dataclass(frozen=True)
 class Heads:
-    """Full attention inside this module: ``scaled_dot_product_attention`` runs on the head shard.
+    """Full attention inside this module runs on the head shard, whichever kernel it calls.
 
-    q, k, v ``[B, H, L_local, Dh]`` switch to ``[B, H_local, L, Dh]`` (one packed
-    all-to-all), attend locally, and the output switches back (one more). The
-    global ``L`` is that of the enclosing ``Block``'s activation.
+    The attention, through ``scaled_dot_product_attention`` or any backend of
+    diffusers' attention dispatch (``dsp_plugin.plan.attention``), gets q, k, v
+    switched from ``L_local`` tokens and all heads to ``L`` tokens and this rank's
+    heads (one packed all-to-all), attends locally, and the output switches back
+    (one more). The global ``L`` is that of the enclosing ``Block``'s activation.
+    A mask built for the global sequence passes through (``plan.masks``).
 
     ``joint="first"`` / ``"last"``: joint attention, where the module concatenates
     tokens that belong to no position of the sharded sequence and are the same on
