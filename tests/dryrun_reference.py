@@ -117,3 +117,52 @@ def references(rank: int, world_size: int, cases: list[tuple[str, str]]) -> list
         out.append(fn(rank, world_size, model, recompute))
         set_topology(None)
     return out
+
+
+def deepspeed_reference(rank: int, world_size: int, model: str, stage: int) -> dict[str, Any]:
+    """The bytes a real DeepSpeed engine (bf16, ZeRO ``stage`` over DP x DSP, torch AdamW) holds after one step.
+
+    Parameters: ZeRO-1/2's flat bf16 buffer, or ZeRO-3's partitions plus the parameters it keeps whole;
+    optimizer states: the fp32 master partition and every tensor of the optimizer's state. Gradients are
+    reported, not compared: DeepSpeed on a CPU accelerator takes another gradient path than on a GPU.
+    """
+    import logging
+    import os
+
+    from deepspeed.utils import logger
+
+    from dsp_plugin.deepspeed import initialize
+    from dsp_plugin.dryrun import diffusers_family
+    from dsp_plugin.dryrun.step import Setup
+    from dsp_plugin.plan import parallelize
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    logger.setLevel(logging.WARNING)
+    spec, geometry = Setup(model=model, dsp=world_size).resolve()
+    torch.manual_seed(0)
+    net = parallelize(diffusers_family.build(spec, dtype=torch.bfloat16, recompute=False))
+    config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_mode": "dsp",
+              "sequence_parallel_size": world_size, "zero_optimization": {"stage": stage},
+              "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True, "gradient_clipping": 0.0,
+              "steps_per_print": 10**9}
+    engine, optimizer, _, _ = initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4),
+                                         config=config)
+    loss = diffusers_family.loss(engine, spec, geometry, dtype=torch.bfloat16,
+                                 generator=torch.Generator().manual_seed(1))
+    engine.backward(loss)
+    engine.step()
+
+    def nbytes(tensors: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    inner = optimizer.optimizer
+    state = nbytes(t for s in inner.state.values() for t in s.values())
+    if stage == 3:
+        persistent = [p for p in net.parameters() if getattr(p, "ds_persist", False)]
+        params = nbytes(optimizer.fp16_partitioned_groups_flat) + nbytes(p.data for p in persistent)
+        master = nbytes(optimizer.fp32_partitioned_groups_flat)
+    else:
+        params = nbytes(optimizer.bit16_groups_flat)
+        master = nbytes(optimizer.single_partition_of_fp32_groups)
+    return {"params": params, "optimizer": master + state}

@@ -103,3 +103,16 @@ def test_json_interface_and_errors() -> None:
     bad = subprocess.run([sys.executable, "-m", "dsp_plugin.plan.dryrun", "--model", "wan2.1-14b", "--frames", "80"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--frames 80" in bad.stderr and "77, 81" in bad.stderr, bad.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("n", "stage"), [(2, 3), (4, 2)])
+def test_zero_state_equals_deepspeed(n: int, stage: int) -> None:
+    """ZeRO-2's flat buffer and ZeRO-3's partitions (padding and kept-whole parameters included) and the
+    optimizer states, against what a real DeepSpeed engine holds after one step."""
+    from tests.dryrun_reference import deepspeed_reference
+
+    dry = json.loads(_python("-m", "dsp_plugin.plan.dryrun", "--model", "tiny-wan", "--dsp", str(n),
+                             "--zero", str(stage), "--json"))
+    real = run_distributed(deepspeed_reference, n, "tiny-wan", stage, timeout=600)[0]
+    assert (dry["params_bytes"], dry["optimizer_bytes"]) == (real["params"], real["optimizer"]), (n, stage)
