@@ -204,7 +204,7 @@ def _dry_run_diffusers(setup: Setup, spec: ModelSpec, geometry: Geometry, hw: Ha
                   parameters=sum(p.numel() for p in trainable), params_bytes=state.params,
                   grads_bytes=state.grads, optimizer_bytes=state.optimizer, activations_bytes=tracker.peak,
                   buffers_bytes=state.buffers, step_transient_bytes=state.step_transient, saved_bytes=saved,
-                  peak_module=tracker.peak_module.split(".", 1)[-1] if tracker.peak_module else "(model)",
+                  peak_module=tracker.peak_module.partition(".")[2] or "(model)",
                   peak_phase=tracker.peak_phase, flops=total_flops,
                   collectives=collectives,
                   estimate=estimate(total_flops, collectives, tp=setup.tp, world=setup.world, hw=hw),
