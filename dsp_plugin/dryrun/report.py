@@ -9,36 +9,45 @@ from dsp_plugin.dryrun.step import DryRun
 __all__ = ["render", "render_sweep", "plot_sweep"]
 
 GIB = 2**30
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
 
 
-def _gib(n: float) -> str:
-    return f"{n / GIB:,.2f}"
+def _unit(largest: float) -> tuple[str, int]:
+    """GiB for a real model, MiB or KiB for the tiny ones the checks run."""
+    return next(((name, size) for name, size in _UNITS if largest >= size), _UNITS[-1])
 
 
 def render(r: DryRun, *, gpu_gib: float, hardware: str) -> str:
     s = r.setup
     fits = r.peak_bytes <= gpu_gib * GIB
+    unit, size = _unit(r.peak_bytes)
+
+    def _gib(n: float) -> str:
+        return f"{n / size:,.2f}"
+
     lines = [
-        f"dsp_plugin dry run: {s.model}, {r.parameters / 1e9:.2f}B parameters, {s.dtype}, recompute {s.recompute}",
+        f"dsp_plugin dry run: {s.model}, "
+        f"{f'{r.parameters / 1e9:.2f}B' if r.parameters >= 1e8 else f'{r.parameters:,}'} parameters, {s.dtype}, "
+        f"recompute {s.recompute}",
         r.geometry,
         f"world {s.world} = tp {s.tp} x dsp {s.dsp} x dp {s.dp}; {r.framework}",
         f"per GPU: rank 0, which holds the largest shard of the {r.tokens:,} tokens of its DSP group's batch "
         "(a length L on N ranks is cut like torch.tensor_split: the first L mod N ranks hold one more)",
         "",
-        "| memory per GPU | GiB |", "|---|---|",
+        f"| memory per GPU | {unit} |", "|---|---|",
         f"| parameters | {_gib(r.params_bytes)} |",
         f"| gradients | {_gib(r.grads_bytes)} |",
         f"| optimizer states | {_gib(r.optimizer_bytes)} |",
         f"| activations (peak, at {r.peak_module}, {r.peak_phase}) | {_gib(r.activations_bytes)} |",
         f"| communication buffers | {_gib(r.buffers_bytes)} |",
-        f"| **peak** | **{_gib(r.peak_bytes)}** of {gpu_gib:g}: {'fits' if fits else 'DOES NOT FIT'} |",
+        f"| **peak** | **{_gib(r.peak_bytes)}**: {'fits' if fits else 'DOES NOT FIT'} in {gpu_gib:g} GiB |",
         "",
-        f"Saved for backward at the end of the forward: {_gib(r.saved_bytes)} GiB. The optimizer step adds "
-        f"{_gib(r.step_transient_bytes)} GiB (an fp32 copy of this rank's gradients), "
+        f"Saved for backward at the end of the forward: {_gib(r.saved_bytes)} {unit}. The optimizer step adds "
+        f"{_gib(r.step_transient_bytes)} {unit} (an fp32 copy of this rank's gradients), "
         f"{'above' if r.step_transient_bytes > r.activations_bytes + r.buffers_bytes else 'below'} the backward's "
         "activations and buffers.",
         "",
-        "| collectives of one step | op | phase | group | calls | GiB sent |", "|---|---|---|---|---|---|",
+        f"| collectives of one step | op | phase | group | calls | {unit} sent |", "|---|---|---|---|---|---|",
     ]
     for c in r.collectives:
         where = f"{c.where}" + (" *(modelled)*" if c.modelled else "")
@@ -55,7 +64,12 @@ def render(r: DryRun, *, gpu_gib: float, hardware: str) -> str:
 
 
 def render_sweep(runs: list[DryRun], *, gpu_gib: float) -> str:
-    lines = ["| N (dsp) | GPUs | tokens / N | params | grads | optimizer | activations | buffers | peak GiB | fits "
+    unit, size = _unit(max(r.peak_bytes for r in runs))
+
+    def _gib(n: float) -> str:
+        return f"{n / size:,.2f}"
+
+    lines = [f"| N (dsp) | GPUs | tokens / N | params | grads | optimizer | activations | buffers | peak {unit} | fits "
              f"{gpu_gib:g} GiB | step s | peak at |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         s = r.setup

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 __all__ = ["main"]
@@ -67,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     from dsp_plugin.bench.calibration import load
     from dsp_plugin.dryrun.report import plot_sweep, render, render_sweep
-    from dsp_plugin.dryrun.step import Setup, dry_run, sweep
+    from dsp_plugin.dryrun.step import Setup, dry_run
 
     setup = Setup(model=args.model, frames=args.frames, height=args.height, width=args.width,
                   text_tokens=args.text_tokens, batch=args.batch, dsp=args.dsp, tp=args.tp, dp=args.dp,
@@ -81,18 +82,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     hardware = "H100 (" + ", ".join(f"{k} {v}" for k, v, _ in rows) + ")"
     if args.sweep:
-        runs = sweep(setup, args.sweep, hw)
+        runs, refused = [], []
+        for n in args.sweep:
+            try:
+                runs.append(dry_run(replace(setup, dsp=n), hw))
+            except ValueError as exc:  # this N cannot run (the plan's own refusal, naming the value)
+                refused.append(f"N={n}: {exc}")
+        if not runs:
+            print("dsp-dryrun: " + "; ".join(refused), file=sys.stderr)
+            return 2
         plot = plot_sweep(runs, Path(args.plot), gpu_gib=args.gpu_memory_gib,
                           title=f"{setup.model}: {runs[0].geometry.split(' ->')[0]}, recompute {setup.recompute}")
         if args.json:
-            print(json.dumps({"sweep": [r.as_dict() for r in runs], "plot": str(plot)}))
+            print(json.dumps({"sweep": [r.as_dict() for r in runs], "refused": refused, "plot": str(plot)}))
         else:
             print(f"{setup.model}, {runs[0].geometry}; {runs[0].framework.split(':')[0]}, recompute "
                   f"{setup.recompute}, dp {setup.dp}, tp {setup.tp}; per GPU, GiB; step on {hardware}\n")
             print(render_sweep(runs, gpu_gib=args.gpu_memory_gib))
+            for line in refused:
+                print(f"cannot run: {line}")
             print(f"plot: {plot}")
         return 0
-    result = dry_run(setup, hw)
+    try:
+        result = dry_run(setup, hw)
+    except ValueError as exc:  # a size the plan or Megatron refuses, named by them
+        print(f"dsp-dryrun: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(result.as_dict()) if args.json else render(result, gpu_gib=args.gpu_memory_gib,
                                                                   hardware=hardware))
     return 0
