@@ -100,7 +100,7 @@ def megatron_step(setup: Any, spec: ModelSpec, geometry: Geometry, hw: Hardware,
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.dryrun.estimate import estimate
     from dsp_plugin.dryrun.memory import MemoryTracker
-    from dsp_plugin.dryrun.step import DryRun, by_block, group_names
+    from dsp_plugin.dryrun.step import DryRun, by_block, group_names, module_name
     from dsp_plugin.megatron.cpu import cuda_shim
     from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
     from dsp_plugin.megatron.steps import build_model, forward_step, model_config_from_args, video_shape_from_args
@@ -154,7 +154,7 @@ def megatron_step(setup: Any, spec: ModelSpec, geometry: Geometry, hw: Hardware,
                   params_bytes=params_bytes, grads_bytes=grads_bytes, optimizer_bytes=master * 12,
                   activations_bytes=tracker.peak, buffers_bytes=0, step_transient_bytes=0,
                   saved_bytes=saved[0],
-                  peak_module=tracker.peak_module.partition(".")[2] or "(model)",
+                  peak_module=module_name(tracker.peak_module),
                   peak_phase=tracker.peak_phase, flops=float(tracker.flops), collectives=collectives,
                   estimate=estimate(float(tracker.flops), collectives, tp=setup.tp, world=world, hw=hw),
                   framework=f"Megatron DDP (fp32 gradient buffer), {sharded} ({elements:,} elements)",

@@ -129,6 +129,12 @@ def pattern(module: str, phase: str = "forward") -> str:
     return ".".join(parts) or "(model)"
 
 
+def module_name(module: str) -> str:
+    """``WanTransformer3DModel.blocks.39`` -> ``blocks.39`` (a framework wrapper's ``module.`` dropped too)."""
+    name = module.partition(".")[2]
+    return name.removeprefix("module.") or "(model)"
+
+
 def group_names(topology: Any) -> dict[tuple[int, ...], str]:
     names = {"tp": "tp", "dsp": "dsp", "dp": "dp", "dp_dsp": "dp x dsp", "pp": "pp", "model_parallel": "tp x pp"}
     out: dict[tuple[int, ...], list[str]] = {}
@@ -204,7 +210,7 @@ def _dry_run_diffusers(setup: Setup, spec: ModelSpec, geometry: Geometry, hw: Ha
                   parameters=sum(p.numel() for p in trainable), params_bytes=state.params,
                   grads_bytes=state.grads, optimizer_bytes=state.optimizer, activations_bytes=tracker.peak,
                   buffers_bytes=state.buffers, step_transient_bytes=state.step_transient, saved_bytes=saved,
-                  peak_module=tracker.peak_module.partition(".")[2] or "(model)",
+                  peak_module=module_name(tracker.peak_module),
                   peak_phase=tracker.peak_phase, flops=total_flops,
                   collectives=collectives,
                   estimate=estimate(total_flops, collectives, tp=setup.tp, world=setup.world, hw=hw),

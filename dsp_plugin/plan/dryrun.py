@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             print("dsp-dryrun: " + "; ".join(refused), file=sys.stderr)
             return 2
         plot = plot_sweep(runs, Path(args.plot), gpu_gib=args.gpu_memory_gib,
-                          title=f"{setup.model}: {runs[0].geometry.split(' ->')[0]}, recompute {setup.recompute}")
+                          title=f"{setup.model}: {runs[0].geometry.split(' ->')[0]}, "
+                                f"{runs[0].framework.split(':')[0]}, recompute {setup.recompute}")
         if args.json:
             print(json.dumps({"sweep": [r.as_dict() for r in runs], "refused": refused, "plot": str(plot)}))
         else:
