@@ -102,7 +102,7 @@ def feasibility(method: str, model: Full3DModel, *, sp: int, tp: int, frames: in
     if method in ("ulysses", "cp_a2a") and heads % sp:
         return f"head limit: {heads} heads on {sp} ranks"
     if method == "dsp" and sp > frames:
-        return f"frame limit: the Wan plan shards whole frames, {frames} latent frames on {sp} ranks"
+        return f"frame limit: {frames} whole latent frames on {sp} ranks"
     return ""
 
 
