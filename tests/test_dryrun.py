@@ -72,6 +72,7 @@ def _dry_rows(result: dict) -> dict[str, list[int]]:
     return rows
 
 
+@pytest.mark.slow
 def test_dry_run_equals_a_real_cpu_step(dry_runs: dict, real_runs: tuple[int, list[dict]]) -> None:
     n, reals = real_runs
     for (model, recompute), real in zip(CASES[n], reals):
