@@ -100,7 +100,7 @@ def megatron_step(setup: Any, spec: ModelSpec, geometry: Geometry, hw: Hardware,
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.dryrun.estimate import estimate
     from dsp_plugin.dryrun.memory import MemoryTracker
-    from dsp_plugin.dryrun.step import DryRun, by_block, group_names, module_name
+    from dsp_plugin.dryrun.result import DryRun, by_block, group_names, module_name
     from dsp_plugin.megatron.cpu import cuda_shim
     from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
     from dsp_plugin.megatron.steps import build_model, forward_step, model_config_from_args, video_shape_from_args

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dsp_plugin.dryrun.step import DryRun
+from dsp_plugin.dryrun.result import DryRun
 
 __all__ = ["render", "render_sweep", "plot_sweep"]
 
