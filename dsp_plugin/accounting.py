@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsp_plugin.checks import exchanging
 from dsp_plugin.collective_bytes import NAMESPACES, OPS
+from dsp_plugin.layout import storage_address
 
 __all__ = ["CollectiveRecord", "CommAccounting"]
 
@@ -172,10 +173,10 @@ class CommAccounting:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         if not (t.is_leaf and t.requires_grad):
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in self._storages:
-                self._storages.add(storage.data_ptr())
-                self.saved_activation_bytes += storage.nbytes()
+            address = storage_address(t)  # fake tensors (dsp_plugin.dryrun) share data pointer 0
+            if address not in self._storages:
+                self._storages.add(address)
+                self.saved_activation_bytes += t.untyped_storage().nbytes()
         return t
 
     # -- queries -----------------------------------------------------------

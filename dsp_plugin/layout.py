@@ -90,13 +90,22 @@ _aliases: weakref.WeakValueDictionary[tuple[object, ...], torch.Tensor] = weakre
 _lock = threading.Lock()
 
 
+def storage_address(x: torch.Tensor) -> int:
+    """Where ``x``'s storage lives: its data pointer, or for a fake tensor (``FakeTensorMode``, whose
+    storages all have data pointer 0) the address of the storage object aliases share.
+
+    The one identity of a tensor's memory used by the tag's aliases, ``accounting``'s saved bytes and
+    Megatron's switch replay, so the same code runs on real and on fake tensors (``dsp_plugin.dryrun``).
+    """
+    if is_fake(x):  # FakeTensorMode (the dry run, torch.compile's tracing, the fake-device tests)
+        return x.untyped_storage()._cdata
+    return x.untyped_storage().data_ptr()
+
+
 def _alias_key(x: torch.Tensor) -> tuple[object, ...] | None:
     if x.numel() == 0 or x.device.type == "meta":
         return None  # empty tensors share data_ptr 0: no identity to key on
-    # a fake tensor (FakeTensorMode: torch.compile's tracing, the fake-device tests) has no memory and data_ptr 0;
-    # its storage object is what its aliases share
-    memory = ("storage", x.untyped_storage()._cdata) if is_fake(x) else x.data_ptr()
-    return (memory, x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
+    return (storage_address(x), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
 
 
 def attach(x: torch.Tensor, dim: int, global_len: int, *, grid: tuple[int, ...] = (),

@@ -181,6 +181,12 @@ RULES: list[Rule] = [
     Rule(r"dsp_plugin\.bench\.memory", "run", subs=(("$", " --nproc 2 --frames 2 --size 8"),
                                                     (r"^(\.venv/bin/)?python", sys.executable)),
          expect="ideal 1/N"),
+    Rule(r"dsp_plugin\.plan\.dryrun --model wan2\.1-14b --frames 81 --height 720 --width 1280 --dsp 8 --zero 3 "
+         r"--recompute full$", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),), expect="fits", timeout=600),
+    Rule(r"dsp_plugin\.plan\.dryrun", "check", "the line above runs the 14B dry run; tests/test_dryrun.py runs the "
+         "same code on tiny configs against real gloo steps (a 14B sweep takes minutes)"),
+    Rule(r"dsp_plugin\.bench\.published", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),),
+         expect="Wan 2.1 14B"),
     # ---- core, data, accounting -------------------------------------------------------------------------------
     Rule(r"^README\.md:python:from dsp_plugin import", "run", prelude=(
         "import torch\nx = torch.randn(2, 4, 6, 8)\n"

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from dsp_plugin.comm import dynamic_switch
+from dsp_plugin.layout import storage_address
 
 __all__ = ["SwitchReplayCache", "first_layer_of_a_chunk"]
 
@@ -74,7 +75,7 @@ class _ReusedSwitch(torch.autograd.Function):
 
 
 def _key(t: torch.Tensor) -> tuple:
-    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t._version)
+    return (storage_address(t), t.storage_offset(), tuple(t.shape), t._version)
 
 
 class SwitchReplayCache:
