@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+from dsp_plugin import parallelize
+from dsp_plugin.models import STDiT, STDiTConfig
 
 LATENT = (4, 4, 4, 4)        # C, T, H, W: T=4 frames, S=(4/2)*(4/2)=4 tokens per frame
 TEXT = (3, 16)               # text tokens, text_dim of the tiny preset

@@ -14,7 +14,7 @@ from dsp_plugin import reduce_gradients
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters import Sharded
 from dsp_plugin.checks import check_mode
-from dsp_plugin.models.plan import switch_schedule
+from dsp_plugin.plan.schedule import switch_schedule
 from tests.distributed import assert_no_steady_state_checks, run_distributed
 
 SHAPE, D = (2, 5, 6, 7), 8          # B, T, H, W (uneven on 2 and 4 ranks), channels

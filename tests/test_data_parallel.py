@@ -13,8 +13,8 @@ import copy
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from dsp_plugin import Topology, reduce_gradients, set_topology
-from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+from dsp_plugin import Topology, parallelize, reduce_gradients, set_topology
+from dsp_plugin.models import STDiT, STDiTConfig
 from tests.distributed import run_distributed
 
 SHAPE = (4, 4, 6, 6, 6)        # global batch of 4: two samples per DP rank; T=6, S=9

@@ -50,9 +50,10 @@ def first_forward(node: FakeNode, config: dict[str, Any], *, parallel: bool = Tr
     """The launch up to its first forward: model, initialize, the loader's first batch, the engine's forward."""
     from deepspeed.utils import logger
 
+    from dsp_plugin import parallelize
     from dsp_plugin.deepspeed import initialize
     from dsp_plugin.launch.train_deepspeed import synthetic_dataset
-    from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+    from dsp_plugin.models import STDiT, STDiTConfig
 
     logger.setLevel(logging.WARNING)
     torch.manual_seed(0)

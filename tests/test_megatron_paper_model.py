@@ -119,8 +119,8 @@ def _reference_under_the_plan(rank: int, world_size: int) -> dict[str, float]:
     """The reference with every feature, DSP applied from outside (``models.plan``) vs one process."""
     import copy
 
-    from dsp_plugin import reduce_gradients
-    from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+    from dsp_plugin import parallelize, reduce_gradients
+    from dsp_plugin.models import STDiT, STDiTConfig
 
     torch.manual_seed(0)
     reference = STDiT(STDiTConfig.preset("tiny", temporal_rope=True, spatial_rope=True, qk_norm="RMSNorm",

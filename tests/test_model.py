@@ -1,6 +1,7 @@
 """The tiny STDiT under DSP against the same model in one process (fp32, 1e-5).
 
-Checked per world size: outputs, input gradients, every parameter gradient after
+Checked per world size: outputs, input gradients (summed over the group: partial per rank under
+``parallelize``), every parameter gradient after
 ``reduce_gradients`` (sum over the DSP group), and the loss over three optimizer
 steps; for the 2-axis model (even and uneven T, S) and the 3-axis model.
 """
@@ -12,10 +13,10 @@ import copy
 import pytest
 import torch
 
-from dsp_plugin import reduce_gradients
+from dsp_plugin import parallelize, reduce_gradients
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.checks import check_mode
-from dsp_plugin.models import STDiT, STDiTConfig, parallelize, switch_schedule
+from dsp_plugin.models import STDiT, STDiTConfig, switch_schedule
 from tests.distributed import assert_no_steady_state_checks, run_distributed
 
 TOL = 1e-5
@@ -59,6 +60,8 @@ def _compare(rank: int, n: int, case: str) -> dict[str, float]:
             loss.backward()
             if net is model:
                 reduce_gradients(model.parameters())
+                # parallelize's convention: a replicated input's gradient is partial, summed over the DSP group
+                torch.distributed.all_reduce(x.grad)
             outs.append((out.detach(), x.grad))
             grads.append({k: p.grad.clone() for k, p in net.named_parameters()})
             loss_values.append(loss.item())

@@ -1,7 +1,7 @@
 """The reference STDiT through ``dsp_plugin.parallelize`` (the plan runtime) equals one process.
 
-Same placements and switch count as ``dsp_plugin.models.plan.parallelize`` (the
-Belady schedule, compiled once); 5 frames on 2 ranks (uneven), 2 and 3 axes.
+The switches are the Belady schedule's (``switch_schedule``, compiled once), one all-to-all each;
+5 frames on 2 ranks (uneven), 2 and 3 axes.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ def _worker(rank: int, n: int, axes: int) -> dict[str, float]:
     import dsp_plugin
     from dsp_plugin import reduce_gradients
     from dsp_plugin.accounting import CommAccounting
-    from dsp_plugin.models.plan import parallelize as parallelize_hooks
     from dsp_plugin.models.stdit import STDiT, STDiTConfig
+    from dsp_plugin.plan.schedule import switch_schedule
 
     torch.manual_seed(0)
     reference = STDiT(STDiTConfig.preset("tiny", axes=axes)).double()
@@ -41,9 +41,9 @@ def _worker(rank: int, n: int, axes: int) -> dict[str, float]:
     reduce_gradients(model.parameters())
     dist.all_reduce(dx)
     grads = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
-    _, _, old = run(parallelize_hooks(copy.deepcopy(reference)))
+    schedule, _ = switch_schedule([b.attend_dim for b in reference.blocks], reference.sequence_dims, first_shard=1)
     return {"out": (out - out_ref).abs().max().item(), "dx": (dx - dx_ref).abs().max().item(), "grads": grads,
-            "all_to_all": acct.count("all_to_all", "forward"), "old_all_to_all": old.count("all_to_all", "forward")}
+            "all_to_all": acct.count("all_to_all", "forward"), "scheduled": sum(s is not None for s in schedule)}
 
 
 @pytest.mark.parametrize("axes", [2, 3])
@@ -51,4 +51,12 @@ def test_stdit_through_the_plan_runtime(axes: int) -> None:
     for rank, d in enumerate(run_distributed(_worker, 2, axes)):
         print(f"axes={axes} rank {rank}: {d}")
         assert max(d["out"], d["dx"], d["grads"]) < 1e-12, d
-        assert d["all_to_all"] == d["old_all_to_all"] > 0, d
+        assert d["all_to_all"] == d["scheduled"] > 0, d
+
+
+def test_the_old_hook_runtime_is_gone_and_names_its_replacement() -> None:
+    import dsp_plugin.models
+
+    for name in ("parallelize", "DSPPlan"):
+        with pytest.raises(AttributeError, match=r"use dsp_plugin\.parallelize\(model\)"):
+            getattr(dsp_plugin.models, name)

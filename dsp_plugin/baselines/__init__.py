@@ -1,7 +1,7 @@
 """The sequence-parallel methods DSP is compared with (paper section 4, appendix A.2).
 
 Each ``parallelize_*`` takes the single-device reference model and applies the
-method from outside, in place, as ``dsp_plugin.models.parallelize`` does for
+method from outside, in place, as ``dsp_plugin.parallelize`` does for
 DSP. Importing this package needs torch only; Ulysses imports DeepSpeed when
 it is applied. ``ulysses`` is the best practice (temporal blocks only, DeepSpeed's
 ``DistributedAttention``); ``ulysses_paper`` is what the paper's harness ran

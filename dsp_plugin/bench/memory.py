@@ -37,9 +37,10 @@ TOKENS_PER_FRAME_512PX = 1024
 
 
 def _worker(rank: int, n: int, shape: dict[str, int]) -> int:
+    from dsp_plugin import parallelize
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.backend import current_device
-    from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+    from dsp_plugin.models import STDiT, STDiTConfig
     from dsp_plugin.topology import Topology, set_topology
 
     set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)

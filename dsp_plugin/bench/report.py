@@ -47,13 +47,17 @@ def exact_per_layer(method: str, n: int, depth: int) -> tuple[float, float]:
 
 
 def exact_bytes(method: str, n: int, cfg: BenchConfig, *, checkpointing: bool) -> tuple[float, float]:
-    """Forward and backward bytes per layer and device; the backward includes the recompute if checkpointed."""
+    """Forward and backward bytes per layer and device; the backward includes the recompute if checkpointed.
+
+    DSP's recompute sends nothing: the plan runtime keeps each switch's output through the model's own
+    checkpointing and the recompute takes it (``dsp_plugin.plan.recompute``).
+    """
     f, b = (x * cfg.activation_bytes for x in exact_per_layer(method, n, cfg.depth))
     if method == "ulysses_paper" and cfg.text_dim:
         # both blocks' cross-attention: q and o (activation-sized), the text's k and v
         cross = 2 * (2 * cfg.activation_bytes / n + 2 * cfg.text_bytes) * (n - 1) / n
         f, b = f + cross, b + cross
-    return f, (b + f if checkpointing else b)
+    return f, (b + f if checkpointing and method != "dsp" else b)
 
 
 def quantiles(xs: list[float]) -> dict[str, float]:

@@ -101,7 +101,7 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
 
 def parallelize(method: str, model: nn.Module) -> nn.Module:
     if method == "dsp":
-        from dsp_plugin.models import parallelize as dsp_parallelize
+        from dsp_plugin import parallelize as dsp_parallelize
 
         return dsp_parallelize(model)
     from dsp_plugin.baselines import PARALLELIZE

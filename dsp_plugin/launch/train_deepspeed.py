@@ -34,12 +34,13 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
+from dsp_plugin import parallelize
 from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.deepspeed import checkpoint, initialize  # DSP (was: deepspeed.initialize)
 from dsp_plugin.deepspeed.config import require_dsp_config
 from dsp_plugin.deepspeed.engine import load_config
-from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+from dsp_plugin.models import STDiT, STDiTConfig
 from dsp_plugin.steplog import log_first_call
 from dsp_plugin.topology import set_topology
 
@@ -106,7 +107,7 @@ def train(args: argparse.Namespace) -> None:
     deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                     timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(0)
-    model = parallelize(STDiT(STDiTConfig.preset("tiny")))  # DSP: split / switch / gather hooks
+    model = parallelize(STDiT(STDiTConfig.preset("tiny")))  # DSP: the built-in plan's split / switch / gather hooks
     data = synthetic_dataset(args.samples, args.frames, args.size)
     engine, _, loader, _ = initialize(args=args, model=model, model_parameters=model.parameters(),
                                       training_data=data)

@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset
 
-from dsp_plugin import Topology, dsp_dataloader, reduce_gradients, set_topology
+from dsp_plugin import Topology, dsp_dataloader, parallelize, reduce_gradients, set_topology
 from dsp_plugin import backend as runtime
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
-from dsp_plugin.models import STDiT, STDiTConfig, parallelize
+from dsp_plugin.models import STDiT, STDiTConfig
+from dsp_plugin.plan.builtin import stdit_schedule
 
 
 class SyntheticLatents(Dataset):
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
     log(f"model {args.preset}: depth {config.depth}, hidden {config.hidden_size}, heads {config.num_heads}; "
         f"latents {list(shape)} per sample, {tokens} tokens, batch {args.batch_size} per DP rank")
     if dsp > 1:
-        log("plan: " + "; ".join(model.dsp_schedule))
+        log("plan: " + "; ".join(stdit_schedule(model)))
     log(f"{'step':>4} | {'loss':>9} | {'step ms':>7} | {'switches fwd/bwd':>16} | {'KiB/switch':>10} | "
         f"{'KiB/layer':>9} | {'2M(N-1)/N^2':>11} | {'grad all-reduce KiB':>19}")
     losses = []

@@ -26,10 +26,8 @@ def parallelize(model: nn.Module, plan: Any = None, group: Any = None) -> nn.Mod
     Replicated in, replicated out, the model's call signature and its own
     parameters. ``plan``: a dict ``{module path: spec or [specs]}``; None looks
     for the model's ``_dsp_plan`` attribute, then a built-in plan for its class.
-    Hooks are registered in place and the model is returned (a ``DSPPlan`` of the
-    reference STDiT goes through ``dsp_plugin.models.plan``).
+    Hooks are registered in place and the model is returned.
     """
-    from dsp_plugin.models.plan import DSPPlan
     from dsp_plugin.plan.builtin import builtin_plan
     from dsp_plugin.plan.runtime import apply_plan
 
@@ -39,10 +37,6 @@ def parallelize(model: nn.Module, plan: Any = None, group: Any = None) -> nn.Mod
         name = type(model).__name__
         raise ValueError(f"parallelize: no built-in plan for {name}; pass plan= (docs/models.md, 'a plan "
                          f"for your own model') or set {name}._dsp_plan")
-    if isinstance(plan, DSPPlan):
-        from dsp_plugin.models.plan import parallelize as parallelize_stdit
-
-        return parallelize_stdit(model, group=group, plan=plan)
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize: plan must be a dict {{module path: spec}}, got {type(plan).__name__}")
     return apply_plan(model, plan, group)

@@ -12,7 +12,7 @@ from dsp_plugin.plan.frames import OnShard
 from dsp_plugin.plan.schedule import switch_schedule
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["COGVIDEOX_PLAN", "LATTE_PLAN", "SVD_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan"]
+__all__ = ["COGVIDEOX_PLAN", "LATTE_PLAN", "SVD_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan", "stdit_schedule"]
 
 
 def _latte_temporal_positions(model: Any, x: Any, grid: dict[str, int], local: dict[str, int]) -> Any:
@@ -76,18 +76,30 @@ COGVIDEOX_PLAN: dict[str, Any] = {
 }
 
 
+def _stdit_blocks(model: Any) -> tuple[tuple[str, ...], list[tuple[str, tuple[int, int] | None]]]:
+    axes = ("T", "S") if model.config.axes == 2 else ("T", "H", "W")
+    attend = [block.attend_dim for block in model.blocks]
+    schedule, _ = switch_schedule(attend, model.sequence_dims, first_shard=1)
+    return axes, [(axes[a - 1], switch) for a, switch in zip(attend, schedule)]
+
+
 def stdit_plan(model: Any) -> dict[str, Any]:
     """The reference STDiT: latents split on frames before the (per-frame) embedder, blocks on
     ``[B, T, S, D]`` (or ``[B, T, H, W, D]``) switching only before a block that attends the sharded axis,
     to the axis whose next use is furthest (``switch_schedule``, compiled once); gather before unpatchify."""
-    axes = ("T", "S") if model.config.axes == 2 else ("T", "H", "W")
+    axes, blocks = _stdit_blocks(model)
     lay = "B " + " ".join(axes) + " D"
-    attend = [block.attend_dim for block in model.blocks]
-    schedule, _ = switch_schedule(attend, model.sequence_dims, first_shard=1)
     plan: dict[str, Any] = {"embedder": Split(0, "B C T Hp Wp", shard="T"), "unpatchify": Gather(0, lay)}
-    for i, (a, switch) in enumerate(zip(attend, schedule)):
-        plan[f"blocks.{i}"] = Block(lay, arg="x", attends=axes[a - 1], then=axes[switch[1] - 1] if switch else None)
+    for i, (attends, switch) in enumerate(blocks):
+        plan[f"blocks.{i}"] = Block(lay, arg="x", attends=attends, then=axes[switch[1] - 1] if switch else None)
     return plan
+
+
+def stdit_schedule(model: Any) -> list[str]:
+    """What ``stdit_plan`` does before each block, one line each (for logs): local, or the switch."""
+    axes, blocks = _stdit_blocks(model)
+    return [f"blocks.{i} (attends {attends}): " + (f"switch {axes[s[0] - 1]} -> {axes[s[1] - 1]}" if s else "local")
+            for i, (attends, s) in enumerate(blocks)]
 
 
 _BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "TransformerSpatioTemporalModel": SVD_PLAN,

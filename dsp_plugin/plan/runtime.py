@@ -202,9 +202,15 @@ class _Runtime:
             if frame is None or frame.shard is None:
                 raise ValueError(f"{path}: the activation carries no shard tag and no forward of this model "
                                  f"is in progress; expected a Split before this block")
-            placed = (frame.grid, frame.shard)
-            x = ops.tag(x, spec.layout, *placed)  # so a recompute finds the placement on its input,
-            carrier.note(x, _GRID_ATTR, dict(frame.grid))  # and the lengths of the axes the tag does not hold
+            # untagged: the frame holds the placement (the model, or a framework's module hook such as
+            # ZeRO-3's, passed a new tensor); the lengths of whole dims come from the tensor, like a tag's
+            x = ops.tag(x, spec.layout, frame.grid, frame.shard)  # so a recompute finds the placement on its input,
+            tagged = ops.read_spec(x, spec.layout)
+            if tagged is None:
+                raise ValueError(f"{path}: the activation of shape {tuple(x.shape)} is not in the block's layout "
+                                 f"'{spec.layout}'")
+            placed = ({**frame.grid, **tagged[0]}, frame.shard)
+            carrier.note(x, _GRID_ATTR, dict(placed[0]))  # and the lengths of the axes the tag does not hold
         grid, shard = _complete(path, x, spec.layout, placed, frame)
         if spec.attends is not None and spec.attends == shard:
             if spec.then is None:
@@ -261,7 +267,7 @@ class _Runtime:
 
 def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None) -> nn.Module:
     """Register ``plan``'s hooks on ``model`` (in place) and return it."""
-    if getattr(model, "_dsp_plan_runtime", None) is not None or getattr(model, "_dsp_hooks", None):
+    if getattr(model, "_dsp_plan_runtime", None) is not None:
         raise ValueError("parallelize: this model is already parallelized")
     rt = _Runtime(model, plan, group)
     heads = [path for path, _, specs in rt.entries if any(isinstance(s, Heads) for s in specs)]
