@@ -168,7 +168,7 @@ class _Runtime:
         # a recompute under activation checkpointing runs this hook again on the same input, in backward,
         # where no frame is open: the grid is kept on the replicated input itself
         known = frame.grid if frame is not None else carrier.noted(x, _GRID_ATTR, {})
-        grid = ops.infer_grid(where, x, spec.layout, known)
+        grid = ops.infer_grid(where, x, spec.layout, known, group=self.group)
         carrier.note(x, _GRID_ATTR, grid)
         if frame is not None:
             frame.grid, frame.shard = grid, spec.shard
