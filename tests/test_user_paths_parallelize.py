@@ -5,7 +5,8 @@ no topology, an explicit pair with none or under a world topology, an installed 
 DSP=2 x DP=2) and, in each, over the built-in plans: Wan (full 3D, head switch), CogVideoX (joint
 attention), Latte and SVD (factorized), the reference STDiT. Oracle: the unmodified model on one
 process, fp64, on the DSP group's own batch. Output, input gradient and parameter gradients summed
-over the DSP group (the project's convention) within 1e-9 (Wan's fp32 adaLN: 5e-9).
+over the DSP group (the project's convention) within 1e-9 (Wan's fp32 adaLN: 5e-9); a deep copy of the
+parallelized model (an EMA copy) runs equal to it, bitwise, after the original's plan is removed.
 """
 
 from __future__ import annotations
@@ -80,18 +81,21 @@ MODELS: dict[str, Callable[[int], tuple[torch.nn.Module, Batch]]] = {
     "wan": _wan, "cogvideox": _cogvideox, "latte": _latte, "svd": _svd, "stdit": _stdit}
 
 
-def run_model(model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+def run_model(model: torch.nn.Module, batch: Batch, *, backward: bool = True) -> tuple[Any, ...]:
     """(output, input gradient, parameter gradients) of one forward and backward of an MSE loss."""
     args, kwargs, target = batch
-    x = args[0].clone().requires_grad_(True)
+    x = args[0].clone().requires_grad_(backward)
     out = model(x, *args[1:], **kwargs)
     out = out[0] if isinstance(out, tuple) else out
+    if not backward:
+        return (out,)
     torch.nn.functional.mse_loss(out, target).backward()
     return out.detach(), x.grad, {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
 
 
 def _worker(rank: int, world_size: int, backend: str) -> dict[str, dict[str, float | str]]:
     import dsp_plugin
+    from dsp_plugin.plan.runtime import remove_plan
 
     torch.set_default_dtype(torch.float64)
     styles = GroupStyles()
@@ -109,12 +113,17 @@ def _worker(rank: int, world_size: int, backend: str) -> dict[str, dict[str, flo
             try:
                 model = dsp_plugin.parallelize(copy.deepcopy(reference), group=style.group)
                 out, dx, grads = run_model(model, batch)
+                # an EMA copy: its hooks run on the copy's runtime, also once the original's plan is gone
+                ema = copy.deepcopy(model)
+                remove_plan(model)
+                with torch.no_grad():
+                    out_ema = run_model(ema, batch, backward=False)[0]
             except Exception as exc:  # noqa: BLE001 - reported per cell
                 result[f"{name}/{model_name}"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
                 continue
             grads = {k: sum_over(g, style.dsp_group) for k, g in grads.items()}
             result[f"{name}/{model_name}"] = {
-                "out": (out - out_ref).abs().max().item(),
+                "out": (out - out_ref).abs().max().item(), "ema_out": (out_ema - out).abs().max().item(),
                 "dx": (sum_over(dx, style.dsp_group) - dx_ref).abs().max().item(),
                 "grads": max((grads[k] - g).abs().max().item() for k, g in grads_ref.items()),
                 "missing": ",".join(sorted(grads_ref.keys() ^ grads.keys()))}
@@ -132,6 +141,6 @@ def test_every_builtin_plan_every_group_style_equals_one_process(backend: str) -
                 failures.append(f"rank {rank} {cell}: {d['error']}")
                 continue
             tolerance = TOLERANCE.get(cell.split("/")[1], 1e-9)
-            if d["missing"] or max(d["out"], d["dx"], d["grads"]) > tolerance:
+            if d["missing"] or max(d["out"], d["dx"], d["grads"]) > tolerance or d["ema_out"] != 0:
                 failures.append(f"rank {rank} {cell}: {d}")
     assert not failures, "\n".join(failures)
