@@ -26,13 +26,16 @@ decision, are kept on the same input object), so no frame is needed in backward.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 
-from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+from dsp_plugin import every_gradient
 from dsp_plugin import layout as carrier
+from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+from dsp_plugin.comm.group_resolution import _resolve_group
 from dsp_plugin.plan import dispatch, ops, recompute
 from dsp_plugin.plan.args import Args as _Args
 from dsp_plugin.plan.args import expand, map_tensors as _map_tensors, tensors as _tensors
@@ -307,8 +310,23 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None) -> nn.
                                                        always_call=True))
     # the model's own post-hook last: it closes the frame after every module hook ran
     rt.handles.append(model.register_forward_hook(rt.root_post, with_kwargs=True, always_call=True))
+    # a parameter some ranks use and others not gets a (zero) gradient on every rank (DDP, ZeRO)
+    rt.handles.extend(every_gradient.install(model, group=functools.partial(_gradient_group, group)))
     model._dsp_plan_runtime = rt
     return model
+
+
+def _gradient_group(group: Any) -> Any:
+    """The ranks whose frameworks reduce this model's gradients: the plan's group if given, else the
+    installed topology's DP x DSP group (else the DSP group of ``group=None``, which refuses without one)."""
+    if group is not None:
+        return group
+    from dsp_plugin.topology import get_topology
+
+    topology = get_topology()
+    if topology is not None and topology.dp_dsp_group is not None:
+        return topology.dp_dsp_group
+    return _resolve_group(None, "parallelize")
 
 
 def remove_plan(model: nn.Module) -> nn.Module:
