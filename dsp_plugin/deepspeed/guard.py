@@ -147,6 +147,8 @@ def install_guard(module: torch.nn.Module, topology: Topology, *, device: Device
         if message is not None:
             raise DSPGuardError(message)
 
-    setattr(module, _HANDLES, [module.register_forward_pre_hook(before, with_kwargs=True),
+    # first of the model's pre-hooks: a plan that splits the model's own input (a Split on "") must not have
+    # cut it yet, or the ranks' fingerprints of their shards differ although their inputs are the same
+    setattr(module, _HANDLES, [module.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
                                module.register_forward_hook(after, with_kwargs=True)])
     return True
