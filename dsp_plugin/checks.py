@@ -41,7 +41,7 @@ _seen: set[tuple[object, ...]] = set()
 _seen_lock = threading.Lock()
 _SEEN_LIMIT = 4096
 
-_OPS = ("split", "gather", "dynamic_switch", "to_heads", "from_heads")
+_OPS = ("split", "gather", "dynamic_switch", "to_heads", "from_heads", "replicate_grad")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _MAX_DIMS = 12

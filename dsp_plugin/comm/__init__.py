@@ -10,6 +10,7 @@ By role (each module imports only those above it)::
     primitives.py         split, gather, dynamic_switch: the data movement and the autograd Functions
     overlap.py            switch_apply: a chunk's all-to-all in flight while the previous chunk computes
     reduction.py          reduce_gradients and the agreement on the parameter list
+    replicate.py          replicate_grad: a replicated input's full gradient on every rank (sum in backward)
 
 ``from dsp_plugin.comm import <name>`` keeps working for every public name below.
 """
@@ -23,6 +24,7 @@ from dsp_plugin.comm.group_resolution import no_topology_message as no_topology_
 from dsp_plugin.comm.overlap import switch_apply
 from dsp_plugin.comm.primitives import count_sharded_call, dynamic_switch, gather, sharded_calls, split
 from dsp_plugin.comm.reduction import reduce_gradients
+from dsp_plugin.comm.replicate import replicate_grad
 from dsp_plugin.packing import chunk_sizes
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "group_rank",
     "group_size",
     "reduce_gradients",
+    "replicate_grad",
     "sharded_calls",
     "split",
     "switch_apply",
