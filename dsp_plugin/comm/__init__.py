@@ -17,7 +17,7 @@ By role (each module imports only those above it)::
 
 from __future__ import annotations
 
-from dsp_plugin.comm.agree import exchange_words
+from dsp_plugin.comm.agree import agree_inputs, exchange_words
 from dsp_plugin.comm.collectives import all_reduce_mean, meet_and_close
 from dsp_plugin.comm.group_resolution import NoTopologyError, group_rank, group_size
 from dsp_plugin.comm.group_resolution import no_topology_message as no_topology_message  # public, not in __all__
@@ -29,6 +29,7 @@ from dsp_plugin.packing import chunk_sizes
 
 __all__ = [
     "NoTopologyError",
+    "agree_inputs",
     "all_reduce_mean",
     "meet_and_close",
     "chunk_sizes",

@@ -19,7 +19,7 @@ from dsp_plugin import checks
 from dsp_plugin.comm.collectives import _all_gather_tensor
 from dsp_plugin.packing import chunk_sizes
 
-__all__ = ["exchange_words"]
+__all__ = ["agree_inputs", "exchange_words"]
 
 
 def _as_int(name: str, arg: str, value: object) -> int:
@@ -125,3 +125,50 @@ def _agree(name: str, x: object, *, cur: int, tgt: int, known_len: int | None, g
         raise ValueError(f"{name}: rank {rank} holds {local} of dim {cur}, but global_len={known_len} "
                          f"split over {n} ranks gives it {chunk_sizes(known_len, n)[rank]}")  # type: ignore[arg-type]
     return -1 if cur < 0 else known_len  # type: ignore[return-value]
+
+
+def agree_inputs(name: str, values: dict[str, object], *, group: dist.ProcessGroup | None, hint: str,
+                 every_call: bool = False) -> None:
+    """Every rank of ``group`` was given the same ``values`` (an entry's arguments by name), else
+    ``checks.InputMismatch`` on every rank, naming the arguments that differ and which ranks hold alike ones.
+
+    The entry check of a parallelized model's forward and of the samplers: an unseeded ``torch.randn``,
+    a prompt, seed, generator or latents that differ per rank would otherwise mix a sample from several
+    inputs without a word. Run when ``checks`` says so: by default the first call of each signature (the
+    arguments' names, shapes and dtypes), every call under ``DSP_CHECK=1``, never under ``DSP_CHECK=0``;
+    ``every_call=True`` (the samplers: a prompt changes from call to call, and a call takes seconds) on
+    every call unless ``DSP_CHECK=0``. One all_gather of a fingerprint row (the primitives' check format)
+    and a host copy of the inputs.
+    """
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    n = dist.get_world_size(group)
+    if n == 1:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    key = ("inputs", name, tuple(ranks), tuple((k, _structure(v)) for k, v in values.items()))
+    if not (checks.check_mode() != "off" if every_call else checks.needs_check_for(key)):
+        return
+    words, labels = checks.input_words(values)
+    first = next((v for v in values.values() if isinstance(v, torch.Tensor)), None)
+    table = exchange_words(words, group=group, device=_exchange_device(first, group))
+    foreign = [r for r, row in zip(ranks, table) if row[0] != checks.INPUTS_MAGIC]
+    if foreign:
+        raise checks.CrossRankMismatch(f"{name}: rank(s) {foreign} of group {ranks} are in another collective "
+                                       f"(a DSP primitive or a check) while the others check their inputs; "
+                                       f"expected every rank to call {name} here")
+    message = checks.describe_inputs(name, [row[:len(words)] for row in table], ranks, labels, hint)
+    if message is not None:
+        raise checks.InputMismatch(message)
+    checks.remember(key)
+
+
+def _structure(value: object) -> object:
+    """What must be alike in a correct program, cheaply: shapes and dtypes of tensors, containers' layout."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return tuple(_structure(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _structure(v)) for k, v in value.items())
+    return type(value).__name__

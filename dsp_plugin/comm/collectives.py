@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_reduce_mean", "all_reduce_sum", "all_to_all_single", "meet_and_close"]
+__all__ = ["all_reduce_mean", "all_reduce_sum", "all_to_all_single", "broadcast", "meet_and_close"]
 
 
 def _all_gather_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
@@ -33,6 +33,11 @@ def all_to_all_single(recv: torch.Tensor, send: torch.Tensor, *, recv_splits: li
 def all_reduce_sum(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> None:
     """``tensor`` summed over ``group``, in place."""
     dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def broadcast(tensor: torch.Tensor, *, group: dist.ProcessGroup) -> None:
+    """``tensor`` of group rank 0 on every rank of ``group``, in place (a sampler's noise drawn once)."""
+    dist.broadcast(tensor, group=group, group_src=0)
 
 
 def all_reduce_mean(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -31,16 +31,15 @@ on purpose).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
 from dsp_plugin import checks
+from dsp_plugin.checks import input_fingerprint
 from dsp_plugin.comm import exchange_words, sharded_calls
 from dsp_plugin.topology import Topology
 
@@ -55,22 +54,6 @@ Device = torch.device | str | Callable[[], torch.device | str]
 
 class DSPGuardError(RuntimeError):
     """The model or the data do not follow DSP's contract; raised identically on every rank."""
-
-
-def input_fingerprint(args: Any, kwargs: Any) -> int:
-    """A signed 64-bit hash of the forward's tensor inputs: their order, dtypes, shapes and bytes.
-
-    Bytes, not sums: a permuted input changes it, and identical inputs with NaN
-    (or inf) give the same hash. Costs one host copy of the inputs, once per run.
-    """
-    digest = hashlib.blake2b(digest_size=8)
-    for leaf in tree_leaves((args, kwargs)):
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        data = leaf.detach().reshape(-1).contiguous().cpu()
-        digest.update(f"{data.dtype}{tuple(leaf.shape)};".encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 def _group_verdict(rows: list[list[int]], ranks: list[int], size: int) -> str | None:

@@ -34,7 +34,7 @@ from torch import nn
 
 from dsp_plugin import every_gradient
 from dsp_plugin import layout as carrier
-from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+from dsp_plugin.comm import agree_inputs, chunk_sizes, group_rank, group_size
 from dsp_plugin.comm.group_resolution import _resolve_group
 from dsp_plugin.plan import dispatch, ops, recompute
 from dsp_plugin.plan.args import Args as _Args
@@ -45,7 +45,12 @@ from dsp_plugin.plan.attention import enter_heads, exit_heads
 from dsp_plugin.plan.frames import Frame, OnShard, current_block, current_io, frames, sharded_io
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["apply_plan", "current_block", "expand", "remove_plan", "sharded_io"]
+__all__ = ["INPUT_HINT", "apply_plan", "current_block", "expand", "remove_plan", "sharded_io"]
+
+#: what a parallelized model's input mismatch (``checks.InputMismatch``) tells the user to do
+INPUT_HINT = ("Seed every rank alike before drawing inputs (torch.manual_seed, or a torch.Generator with the same "
+              "seed), give the ranks of a DSP group the same batches (dsp_plugin.dsp_dataloader), or, when the "
+              "inputs are this rank's shards on purpose, call the model under dsp_plugin.plan.sharded_io.")
 
 _ONSHARD_ATTR = "_dsp_plan_on_shard"
 
@@ -71,6 +76,9 @@ class _Runtime:
         if io is not None:
             frames().append(Frame(id(self), dict(io.axes), sharded_io=True))
             return
+        if not any(isinstance(f, Frame) for f in frames()):  # replicated inputs (not a model inside another's)
+            agree_inputs(f"parallelize({type(module).__name__})", dict(a.bound.arguments),
+                         group=_resolve_group(self.group, "parallelize"), hint=INPUT_HINT)
         grid = {}
         for axis, (name, dim) in self.grid.axes.items():
             value = a.get(name)
