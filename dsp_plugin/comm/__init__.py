@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dsp_plugin.comm.agree import agree_inputs, exchange_words
 from dsp_plugin.comm.collectives import all_reduce_mean, meet_and_close
-from dsp_plugin.comm.group_resolution import NoTopologyError, group_rank, group_size
+from dsp_plugin.comm.group_resolution import NoProcessGroupError, NoTopologyError, group_rank, group_size
 from dsp_plugin.comm.group_resolution import no_topology_message as no_topology_message  # public, not in __all__
 from dsp_plugin.comm.overlap import switch_apply
 from dsp_plugin.comm.primitives import count_sharded_call, dynamic_switch, gather, sharded_calls, split
@@ -28,6 +28,7 @@ from dsp_plugin.comm.replicate import replicate_grad
 from dsp_plugin.packing import chunk_sizes
 
 __all__ = [
+    "NoProcessGroupError",
     "NoTopologyError",
     "agree_inputs",
     "all_reduce_mean",

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from dsp_plugin.comm import agree_inputs, gather, group_rank, group_size, split
 from dsp_plugin.comm.collectives import broadcast
-from dsp_plugin.comm.group_resolution import _resolve_group
+from dsp_plugin.comm.group_resolution import _resolve_group, check_launched_alone
 
 __all__ = ["FrameShardedSampler", "guide", "sampling_groups"]
 
@@ -132,6 +132,7 @@ def sampling_groups(*, cfg_parallel: bool) -> tuple[dist.ProcessGroup | None, di
     parameters). Without torch.distributed: (None, None).
     """
     if not (dist.is_available() and dist.is_initialized()):
+        check_launched_alone("sampling_groups")
         return None, None
     from dsp_plugin.topology import Topology, set_topology
 
