@@ -28,6 +28,7 @@ from megatron.core.enums import ModelType
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.arguments import parse_and_validate_args
 
+from dsp_plugin.failures import launch_main
 from dsp_plugin.megatron.arguments import add_dsp_arguments
 from dsp_plugin.megatron.resume import add_load_arguments, check_load_path
 from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers
@@ -108,6 +109,7 @@ def close_process_group_on_success() -> Iterator[None]:
     meet_and_close()
 
 
+@launch_main
 def main() -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 

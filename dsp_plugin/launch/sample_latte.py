@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from dsp_plugin import backend as runtime
 from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.failures import launch_main, reporting
 from dsp_plugin.pipelines import parallelize_latte_pipeline, sampling_groups
 from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds
 from dsp_plugin.topology import set_topology
@@ -47,6 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@launch_main
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     created = "RANK" in os.environ and not dist.is_initialized()
@@ -55,7 +57,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             device = runtime.init_distributed(timeout_s=args.timeout).device
         else:
             device = runtime.current_device() if dist.is_initialized() else runtime.choose().device
-        return sample(args, device)
+        with reporting():   # this rank's own error posted for its peers, a peer's named (dsp_plugin.failures)
+            return sample(args, device)
     finally:  # also on an error: no gloo work left for interpreter exit, no topology left installed
         set_topology(None)
         if created and dist.is_initialized():

@@ -34,6 +34,7 @@ from dsp_plugin import backend as runtime
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
+from dsp_plugin.failures import launch_main, reporting
 from dsp_plugin.models import STDiT, STDiTConfig, parallelize
 
 
@@ -72,6 +73,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+@launch_main
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
@@ -88,7 +90,8 @@ def main() -> None:
             set_topology(Topology.build(dsp=args.dsp))   # its groups inherit --timeout
         else:
             device = runtime.choose().device
-        run(args, distributed, device)
+        with reporting():   # this rank's own error posted for its peers, a peer's named (dsp_plugin.failures)
+            run(args, distributed, device)
     finally:
         set_topology(None)
         if dist.is_initialized():

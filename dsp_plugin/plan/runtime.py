@@ -27,22 +27,27 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-from dsp_plugin import every_gradient
+from dsp_plugin import every_gradient, failures
 from dsp_plugin import layout as carrier
 from dsp_plugin.comm import agree_inputs, chunk_sizes, group_rank, group_size
 from dsp_plugin.comm.group_resolution import _resolve_group
 from dsp_plugin.plan import dispatch, ops, recompute
 from dsp_plugin.plan.args import Args as _Args
-from dsp_plugin.plan.args import expand, map_tensors as _map_tensors, tensors as _tensors
-from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
-from dsp_plugin.plan.placement import complete as _complete, is_full as _is_full, split_rows as _split_rows
+from dsp_plugin.plan.args import expand
+from dsp_plugin.plan.args import map_tensors as _map_tensors
+from dsp_plugin.plan.args import tensors as _tensors
 from dsp_plugin.plan.attention import enter_heads, exit_heads
 from dsp_plugin.plan.frames import Frame, OnShard, current_block, current_io, frames, sharded_io
+from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
+from dsp_plugin.plan.placement import complete as _complete
+from dsp_plugin.plan.placement import is_full as _is_full
+from dsp_plugin.plan.placement import split_rows as _split_rows
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
 __all__ = ["INPUT_HINT", "apply_plan", "current_block", "expand", "remove_plan", "sharded_io"]
@@ -74,7 +79,7 @@ class _Runtime:
         a = _Args(module, args, kwargs)
         io = current_io()
         if io is not None:
-            frames().append(Frame(id(self), dict(io.axes), sharded_io=True))
+            frames().append(Frame(id(self), dict(io.axes), sharded_io=True, handling=sys.exc_info()[1]))
             return
         if not any(isinstance(f, Frame) for f in frames()):  # replicated inputs (not a model inside another's)
             agree_inputs(f"parallelize({type(module).__name__})", dict(a.bound.arguments),
@@ -86,13 +91,17 @@ class _Runtime:
                 raise ValueError(f"parallelize: the plan's Grid reads {axis} from argument {name!r}, which is "
                                  f"{type(value).__name__}; expected a tensor")
             grid[axis] = value.shape[dim]
-        frames().append(Frame(id(self), grid))
+        frames().append(Frame(id(self), grid, handling=sys.exc_info()[1]))
 
     def root_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         stack = frames()
         frame = self.frame()
         if frame is not None:
             stack.remove(frame)
+        error = sys.exc_info()[1]   # always called: the forward raised on this rank (maybe alone)
+        if error is not None and (frame is None or error is not frame.handling):
+            failures.post(error)    # before its process exits, for the peers waiting in a collective
+            return output
         if output is None or (frame is not None and frame.sharded_io):
             return output
         n = group_size(self.group)
