@@ -35,9 +35,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["CallFingerprint", "CrossRankMismatch", "InputMismatch", "check_mode", "describe_inputs", "exchanging", "input_words",
-           "forget_signatures", "input_fingerprint", "judge", "needs_check", "needs_check_for", "remember",
-           "set_check_mode", "value_fingerprint"]
+__all__ = ["CallFingerprint", "CrossRankMismatch", "InputMismatch", "check_mode", "decode_text", "describe_inputs",
+           "encode_text", "exchanging", "forget_signatures", "input_fingerprint", "input_words", "judge",
+           "needs_check", "needs_check_for", "remember", "set_check_mode", "value_fingerprint"]
 
 _MODES = {"1": "always", "always": "always", "": "first", "first": "first", "0": "off", "off": "off"}
 _mode: str | None = None
@@ -60,10 +60,12 @@ MAGIC = _MAGIC
 GUARD_MAGIC = 0x44535047  # "DSPG": the DeepSpeed first-forward guard
 PARAMS_MAGIC = 0x44535052  # "DSPR": reduce_gradients' parameter-list check
 INPUTS_MAGIC = 0x44535049  # "DSPI": the entry check of a parallelized model's or a sampler's inputs
+FAIL_MAGIC = 0x44535046  # "DSPF": one rank's error handed to every rank (comm.raise_together)
 _FOREIGN = {GUARD_MAGIC: "finished the first forward without a DSP primitive and is in the DeepSpeed guard (is "
                          "the model DSP-aware on every rank?)",
             PARAMS_MAGIC: "is in reduce_gradients (its forward issued fewer DSP primitives)",
-            INPUTS_MAGIC: "is checking the inputs of a parallelized model or a sampler (it entered another call)"}
+            INPUTS_MAGIC: "is checking the inputs of a parallelized model or a sampler (it entered another call)",
+            FAIL_MAGIC: "is handing a rank's own error to every rank (a launch's check before its work)"}
 
 
 class CrossRankMismatch(ValueError):
@@ -147,6 +149,19 @@ def _feed(digest: Any, value: object) -> None:
         digest.update(f"{type(value).__name__}:{value!r};".encode())
     else:   # an object whose repr may hold an address: its type only
         digest.update(f"<{type(value).__qualname__}>;".encode())
+
+
+def encode_text(text: str) -> list[int]:
+    """``text`` (its first ``_MSG_BYTES`` UTF-8 bytes) as int64 words after its byte count."""
+    raw = text.encode()[:_MSG_BYTES]
+    padded = raw.ljust(_MSG_BYTES, b"\0")
+    return [len(raw), *(int.from_bytes(padded[i:i + 8], "little", signed=True) for i in range(0, _MSG_BYTES, 8))]
+
+
+def decode_text(words: Sequence[int]) -> str:
+    """The inverse of ``encode_text``."""
+    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[1:1 + _MSG_BYTES // 8])
+    return raw[:int(words[0])].decode(errors="replace")
 
 
 def value_fingerprint(value: object) -> int:

@@ -17,7 +17,7 @@ By role (each module imports only those above it)::
 
 from __future__ import annotations
 
-from dsp_plugin.comm.agree import agree_inputs, exchange_words
+from dsp_plugin.comm.agree import agree_inputs, exchange_words, raise_together
 from dsp_plugin.comm.collectives import all_reduce_mean, meet_and_close
 from dsp_plugin.comm.group_resolution import NoProcessGroupError, NoTopologyError, group_rank, group_size
 from dsp_plugin.comm.group_resolution import no_topology_message as no_topology_message  # public, not in __all__
@@ -40,6 +40,7 @@ __all__ = [
     "gather",
     "group_rank",
     "group_size",
+    "raise_together",
     "reduce_gradients",
     "replicate_grad",
     "sharded_calls",

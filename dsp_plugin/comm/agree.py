@@ -19,7 +19,7 @@ from dsp_plugin import checks
 from dsp_plugin.comm.collectives import _all_gather_tensor
 from dsp_plugin.packing import chunk_sizes
 
-__all__ = ["agree_inputs", "exchange_words"]
+__all__ = ["agree_inputs", "exchange_words", "raise_together"]
 
 
 def _as_int(name: str, arg: str, value: object) -> int:
@@ -172,3 +172,24 @@ def _structure(value: object) -> object:
     if isinstance(value, dict):
         return tuple((k, _structure(v)) for k, v in value.items())
     return type(value).__name__
+
+
+def raise_together(name: str, error: Exception | None, *, group: dist.ProcessGroup) -> None:
+    """Every rank of ``group`` raises the first failing rank's error (``error``: this rank's, or None).
+
+    For a check only some ranks can make (the writing rank's output path): one all_gather of a row
+    with the message, so a rank without an error raises ``CrossRankMismatch`` carrying the failing
+    rank's text, and the failing rank its own error, instead of its peers waiting in their next
+    collective. Costs one small collective, always (a preflight, once).
+    """
+    words = [checks.FAIL_MAGIC, *checks.encode_text("" if error is None else f"{type(error).__name__}: {error}")]
+    table = exchange_words(words, group=group, device=_exchange_device(None, group))
+    ranks = dist.get_process_group_ranks(group)
+    failed = [(r, checks.decode_text(row[1:])) for r, row in zip(ranks, table)
+              if row[0] == checks.FAIL_MAGIC and row[1]]
+    if error is not None:
+        raise error
+    if failed:
+        rank, message = failed[0]
+        raise checks.CrossRankMismatch(f"{name}: rank {rank} failed its own check before the work, so every rank "
+                                       f"stops here: {message}")

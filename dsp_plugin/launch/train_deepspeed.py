@@ -40,6 +40,7 @@ from dsp_plugin.deepspeed import checkpoint, initialize  # DSP (was: deepspeed.i
 from dsp_plugin.deepspeed.config import require_dsp_config
 from dsp_plugin.deepspeed.engine import load_config
 from dsp_plugin.failures import launch_main, reporting
+from dsp_plugin.launch.paths import check_output_file
 from dsp_plugin.models import STDiT, STDiTConfig, parallelize
 from dsp_plugin.steplog import log_first_call
 from dsp_plugin.topology import set_topology
@@ -81,6 +82,8 @@ def preflight(args: argparse.Namespace) -> None:
                             settings.size)
     if args.save_dir:
         checkpoint.check_save_dir(args.save_dir)
+    if args.losses_json:   # rank 0 writes it; every rank checks (the same shared path), before any collective
+        check_output_file("--losses_json", args.losses_json)
     if args.load_dir:
         checkpoint.check_load_dir(args.load_dir)
 

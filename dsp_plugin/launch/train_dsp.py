@@ -35,6 +35,7 @@ from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.failures import launch_main, reporting
+from dsp_plugin.launch.paths import check_output_file
 from dsp_plugin.models import STDiT, STDiTConfig, parallelize
 
 
@@ -84,6 +85,8 @@ def main() -> None:
     check_divisible_lengths("dsp_plugin.launch.train_dsp", {"--frames": args.frames,
                                                             "spatial tokens (--height/2)*(--width/2)":
                                                             (args.height // 2) * (args.width // 2)}, dsp)
+    if args.out:   # rank 0 writes it; every rank checks (the same shared path), before any collective
+        check_output_file("--out", args.out)
     try:
         if distributed:
             device = runtime.init_distributed(timeout_s=args.timeout).device
