@@ -27,7 +27,8 @@ from tests.user_paths_models import ROOT_SPLIT_PLAN, AttributeAdapter, Net, Toke
 
 LR, STEPS = 0.5, 2
 SGD = {"type": "SGD", "params": {"lr": LR}}
-CASES = [(dsp, stage, model) for dsp in (2, 4) for stage in (2, 3) for model in ("attribute_adapter", "root_split_plan")]
+CASES = [(dsp, stage, model) for dsp in (2, 4) for stage in (2, 3)
+         for model in ("attribute_adapter", "root_split_plan")]
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

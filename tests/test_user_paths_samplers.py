@@ -127,7 +127,7 @@ def test_samplers_every_group_style_and_the_inputs_they_refuse() -> None:
         for key, argument in (("seed/wan", "generator"), ("seed/latte", "generator"), ("latents/wan", "latents"),
                               ("latents/latte", "latents"), ("prompt/wan", "prompt"),
                               ("prompt_embeds/latte", "prompt_embeds")):
-            if not (d[key].startswith("InputMismatch") and f"differ across the 2 ranks of group" in d[key]
+            if not (d[key].startswith("InputMismatch") and "differ across the 2 ranks of group" in d[key]
                     and f" {argument} (alike on ranks" in d[key]):
                 failures.append(f"rank {rank} {key}: {d[key]}")
     assert not failures, "\n".join(failures)
