@@ -20,7 +20,11 @@ answer or a ``NoTopologyError`` there. Each DSP group gets its own batch seed
 (``batch_seed``), so a result that mixed two groups would not match its one-process oracle.
 
 The attention-backend axis of the matrix (diffusers' ``set_attention_backend``) is a
-parameter of the families that attend (``BACKENDS``); only PyTorch's SDPA is here.
+parameter of the families that attend (``BACKENDS``): the backends of diffusers 0.42.1 that
+run on CPU (``native``, ``_native_math``, ``flex``: forward only, "FlexAttention does not
+support backward on CPU") and ``plain``, a backend registered in diffusers' registry that calls
+no SDPA (``tests.test_heads_backends.plain_attention``), standing for any kernel the head switch
+never saw. A model without the setting (it calls SDPA itself) runs under the first only.
 """
 
 from __future__ import annotations
@@ -31,12 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["BACKENDS", "STYLES", "GroupStyles", "Style", "sum_over"]
+__all__ = ["BACKENDS", "STYLES", "GroupStyles", "Style", "backward_runs", "sum_over", "use_backend"]
 
 STYLES = ("explicit_world_no_topology", "explicit_pair_no_topology", "explicit_pair_under_world", "world_topology",
           "dsp2_dp2_topology")
-#: the attention backends a family that attends runs under (issue 25's backend axis extends this)
-BACKENDS = ("sdpa",)
+#: the diffusers attention backends a family that attends runs under
+BACKENDS = ("native", "_native_math", "flex", "plain")
 
 
 @dataclass
@@ -91,3 +95,23 @@ def sum_over(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     out = tensor.detach().clone()
     dist.all_reduce(out, group=group)
     return out
+
+
+def use_backend(model: torch.nn.Module, backend: str) -> bool:
+    """Set diffusers' attention ``backend`` on ``model``; False: the model has no such setting and ``backend``
+    is not the first of ``BACKENDS`` (it would run the same SDPA again: the cell is skipped)."""
+    if not hasattr(model, "set_attention_backend"):
+        return backend == BACKENDS[0]
+    slot = backend
+    if backend == "plain":
+        from tests.test_heads_backends import PLAIN_SLOT, register_plain
+
+        register_plain()
+        slot = PLAIN_SLOT
+    model.set_attention_backend(slot)
+    return True
+
+
+def backward_runs(backend: str) -> bool:
+    """Whether ``backend`` has a backward on CPU (flex has not)."""
+    return backend != "flex"
