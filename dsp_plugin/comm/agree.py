@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dsp_plugin import checks
-from dsp_plugin.comm.collectives import _all_gather_tensor
+from dsp_plugin.comm.collectives import _all_gather_tensor, released
 from dsp_plugin.packing import chunk_sizes
 
 __all__ = ["agree_inputs", "exchange_words", "raise_together"]
@@ -63,6 +63,7 @@ def _exchange(fingerprint: list[int], device: torch.device, group: dist.ProcessG
     table = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
     with checks.exchanging():
         _all_gather_tensor(table, mine, group)
+    released(group, table, mine)   # an error raised next may end the process: leave gloo holding nothing
     return table.view(n, -1).tolist()
 
 
