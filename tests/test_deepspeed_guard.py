@@ -76,7 +76,7 @@ def test_refusals_and_guard_on_every_rank() -> None:
         assert "the first forward issued no DSP split or switch on rank(s) [0, 1]" in out.get("unsharded", ""), \
             (rank, out)
         assert "training with gradients 2x too large" in out["unsharded"]
-        assert "dsp_plugin.models.parallelize(model)" in out["unsharded"]
+        assert "dsp_plugin.parallelize(model)" in out["unsharded"]
         assert "inputs differ inside DSP group(s) [[0, 1]]" in out.get("inputs", ""), (rank, out)
     assert results[0]["unsharded"] == results[1]["unsharded"]
 

@@ -3,7 +3,7 @@
 ``"sequence_parallel_mode": "dsp"`` with ``"sequence_parallel_size": N`` in the
 DeepSpeed JSON config, ``from dsp_plugin.deepspeed import initialize`` in place
 of ``deepspeed.initialize``, and a model whose forward shards the sequence
-(``dsp_plugin.models.parallelize`` or the primitives). See ``docs/deepspeed.md``.
+(``dsp_plugin.parallelize`` or the primitives). See ``docs/deepspeed.md``.
 Importing this package imports DeepSpeed; ``import dsp_plugin`` does not.
 """
 

@@ -5,8 +5,9 @@ Moving a DeepSpeed script to DSP takes three changes (docs/deepspeed.md):
 1. the config key: ``"sequence_parallel_mode": "dsp"`` next to ``"sequence_parallel_size": N``;
 2. ``from dsp_plugin.deepspeed import initialize`` in place of ``deepspeed.initialize``;
 3. a DSP-aware model: its forward must shard the sequence with ``split`` /
-   ``dynamic_switch`` / ``gather`` (``dsp_plugin.models.parallelize`` does it for
-   STDiT-style models; other models call the primitives themselves). A model
+   ``dynamic_switch`` / ``gather`` (``dsp_plugin.parallelize`` does it from outside
+   with a plan: built in for Wan, CogVideoX, Latte, SVD, STDiT; or your own; or the
+   model calls the primitives itself). A model
    that does not is caught at its first forward (``guard.py``).
 
 With the key, ``initialize``, in order:

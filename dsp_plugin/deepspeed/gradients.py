@@ -41,8 +41,8 @@ from dsp_plugin.deepspeed.config import DSPSettings
 if TYPE_CHECKING:
     from dsp_plugin.topology import Topology
 
-__all__ = ["cast_parameters", "fetch_persistent_at_entry", "gradient_scale", "install_every_gradient", "install_gradient_scale", "param_dtype",
-           "partition_for_zero3"]
+__all__ = ["cast_parameters", "fetch_persistent_at_entry", "gradient_scale", "install_every_gradient",
+           "install_gradient_scale", "param_dtype", "partition_for_zero3"]
 
 
 def gradient_scale(settings: DSPSettings) -> float:

@@ -64,14 +64,14 @@ def _group_verdict(rows: list[list[int]], ranks: list[int], size: int) -> str | 
         return (f"dsp_plugin.deepspeed: the model is DSP-aware on some ranks only: rank(s) {elsewhere} of DSP group "
                 f"{ranks} are inside a DSP primitive (split / dynamic_switch / gather) while rank(s) {here} "
                 f"finished the first forward without one. Make the same model DSP-aware on every rank "
-                f"(dsp_plugin.models.parallelize(model) on all of them).")
+                f"(dsp_plugin.parallelize(model) on all of them).")
     unsharded = [r for r, row in zip(ranks, rows) if row[1] == 0]
     if unsharded:
         return (f"dsp_plugin.deepspeed: the config sets 'sequence_parallel_mode': 'dsp' with "
                 f"sequence_parallel_size={size}, but the first forward issued no DSP split or switch on "
                 f"rank(s) {unsharded}. Every DSP rank would compute the whole sequence and ZeRO would sum "
                 f"{size} identical gradients: training with gradients {size}x too large. Make the model "
-                f"DSP-aware before initialize: dsp_plugin.models.parallelize(model) for an STDiT-style model, or "
+                f"DSP-aware before initialize: dsp_plugin.parallelize(model) (a built-in plan or your own), or "
                 f"call dsp_plugin.split / dynamic_switch / gather in its forward (docs/deepspeed.md, 'From a "
                 f"DeepSpeed script to DSP'); or remove 'sequence_parallel_mode' to train without DSP.")
     if any(row[2] != rows[0][2] for row in rows):
