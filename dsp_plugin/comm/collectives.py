@@ -46,14 +46,14 @@ def released(group: dist.ProcessGroup | None, *tensors: torch.Tensor, timeout_s:
     release, which takes the GIL. If the process is exiting by then (a check's error raised right after
     the exchange, uncaught), the interpreter is finalizing, the thread cannot take the GIL and ends
     inside a ``noexcept`` destructor: ``terminate called without an active exception``, SIGABRT (issue
-    25 item 10). Waiting here (``time.sleep(0)`` lets the GIL go) makes the exchange leave nothing behind.
+    25 item 10). Waiting here (with the GIL released) makes the exchange leave nothing behind.
     Only for gloo on CPU: NCCL's work is released by its watchdog, later, and a fake group never.
     """
     if not tensors or any(t.device.type != "cpu" for t in tensors) or dist.get_backend(group) != "gloo":
         return
     deadline = time.monotonic() + timeout_s
     while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
-        time.sleep(0)
+        time.sleep(1e-4)   # a real wait: sleep(0) hands the GIL back before a waiting thread can take it
 
 
 @_naming_peers
