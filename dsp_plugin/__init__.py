@@ -11,7 +11,7 @@ frameworks lazily.
 
 from __future__ import annotations
 
-from dsp_plugin.comm import dynamic_switch, gather, reduce_gradients, split
+from dsp_plugin.comm import dynamic_switch, gather, reduce_gradients, replicate_grad, split
 from dsp_plugin.data import dsp_dataloader
 from dsp_plugin.head_switch import from_heads, to_heads
 from dsp_plugin.plan import parallelize
@@ -26,6 +26,7 @@ __all__ = [
     "get_topology",
     "parallelize",
     "reduce_gradients",
+    "replicate_grad",
     "set_topology",
     "split",
     "to_heads",

@@ -24,16 +24,20 @@ When (``DSP_CHECK`` in the environment, or :func:`set_check_mode`):
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["CallFingerprint", "CrossRankMismatch", "check_mode", "exchanging", "forget_signatures", "judge",
-           "needs_check", "needs_check_for", "remember", "set_check_mode"]
+__all__ = ["CallFingerprint", "CrossRankMismatch", "InputMismatch", "check_mode", "decode_text", "describe_inputs",
+           "encode_text", "exchanging", "forget_signatures", "input_fingerprint", "input_words", "judge",
+           "needs_check", "needs_check_for", "remember", "set_check_mode", "value_fingerprint"]
 
 _MODES = {"1": "always", "always": "always", "": "first", "first": "first", "0": "off", "off": "off"}
 _mode: str | None = None
@@ -41,7 +45,7 @@ _seen: set[tuple[object, ...]] = set()
 _seen_lock = threading.Lock()
 _SEEN_LIMIT = 4096
 
-_OPS = ("split", "gather", "dynamic_switch", "to_heads", "from_heads")
+_OPS = ("split", "gather", "dynamic_switch", "to_heads", "from_heads", "replicate_grad")
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
 _MAX_DIMS = 12
@@ -55,13 +59,21 @@ MAGIC = _MAGIC
 #: rank sending one is doing instead of calling the primitive (named in the mismatch error).
 GUARD_MAGIC = 0x44535047  # "DSPG": the DeepSpeed first-forward guard
 PARAMS_MAGIC = 0x44535052  # "DSPR": reduce_gradients' parameter-list check
+INPUTS_MAGIC = 0x44535049  # "DSPI": the entry check of a parallelized model's or a sampler's inputs
+FAIL_MAGIC = 0x44535046  # "DSPF": one rank's error handed to every rank (comm.raise_together)
 _FOREIGN = {GUARD_MAGIC: "finished the first forward without a DSP primitive and is in the DeepSpeed guard (is "
                          "the model DSP-aware on every rank?)",
-            PARAMS_MAGIC: "is in reduce_gradients (its forward issued fewer DSP primitives)"}
+            PARAMS_MAGIC: "is in reduce_gradients (its forward issued fewer DSP primitives)",
+            INPUTS_MAGIC: "is checking the inputs of a parallelized model or a sampler (it entered another call)",
+            FAIL_MAGIC: "is handing a rank's own error to every rank (a launch's check before its work)"}
 
 
 class CrossRankMismatch(ValueError):
     """The ranks of a group disagreed before a collective; raised alike on every rank."""
+
+
+class InputMismatch(CrossRankMismatch):
+    """The ranks of a DSP group were given different inputs (a parallelized model's, a sampler's)."""
 
 
 def set_check_mode(mode: str | None) -> None:
@@ -110,6 +122,93 @@ def check_mode() -> str:
 
 def group_hash(ranks: Sequence[int]) -> int:
     return zlib.crc32(repr(list(ranks)).encode())
+
+
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+def _feed(digest: Any, value: object) -> None:
+    if isinstance(value, torch.Tensor):
+        data = value.detach().reshape(-1).contiguous().cpu()
+        digest.update(f"T{data.dtype}{tuple(value.shape)};".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
+    elif isinstance(value, torch.Generator):   # the stream it will draw: its state, not its identity
+        digest.update(b"G" + value.get_state().numpy().tobytes())
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"{type(value).__name__}{len(value)}[".encode())
+        for item in value:
+            _feed(digest, item)
+        digest.update(b"]")
+    elif isinstance(value, dict):
+        digest.update(f"dict{len(value)}{{".encode())
+        for key, item in value.items():
+            _feed(digest, key)
+            _feed(digest, item)
+        digest.update(b"}")
+    elif isinstance(value, _PLAIN):
+        digest.update(f"{type(value).__name__}:{value!r};".encode())
+    else:   # an object whose repr may hold an address: its type only
+        digest.update(f"<{type(value).__qualname__}>;".encode())
+
+
+def encode_text(text: str) -> list[int]:
+    """``text`` (its first ``_MSG_BYTES`` UTF-8 bytes) as int64 words after its byte count."""
+    raw = text.encode()[:_MSG_BYTES]
+    padded = raw.ljust(_MSG_BYTES, b"\0")
+    return [len(raw), *(int.from_bytes(padded[i:i + 8], "little", signed=True) for i in range(0, _MSG_BYTES, 8))]
+
+
+def decode_text(words: Sequence[int]) -> str:
+    """The inverse of ``encode_text``."""
+    raw = b"".join(int(w).to_bytes(8, "little", signed=True) for w in words[1:1 + _MSG_BYTES // 8])
+    return raw[:int(words[0])].decode(errors="replace")
+
+
+def value_fingerprint(value: object) -> int:
+    """A signed 64-bit hash of ``value``: tensors by dtype, shape and bytes; generators by state; containers
+    recursively; plain values by repr; other objects by type. Equal on two ranks iff the inputs are alike.
+
+    Bytes, not sums: a permuted input changes it, and identical inputs with NaN (or inf) hash alike.
+    Costs one host copy of the tensors.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    _feed(digest, value)
+    return int.from_bytes(digest.digest(), "little", signed=True)
+
+
+def input_fingerprint(args: Any, kwargs: Any) -> int:
+    """The tensors of a call, in order (the DeepSpeed guard's first-forward fingerprint)."""
+    return value_fingerprint([leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)])
+
+
+def input_words(values: dict[str, object]) -> tuple[list[int], list[str]]:
+    """``[INPUTS_MAGIC, count, one hash per argument ..]`` within a fingerprint's length, and the argument
+    label of each hash (when there are more arguments than words, the last word hashes the rest)."""
+    names = list(values)
+    width = LENGTH - 2
+    labels = names if len(names) <= width else names[:width - 1] + [", ".join(names[width - 1:])]
+    hashes = [value_fingerprint(values[k]) for k in names[:len(labels) - 1]] if labels else []
+    if labels:
+        hashes.append(value_fingerprint([values[k] for k in names[len(labels) - 1:]]))
+    return [INPUTS_MAGIC, len(names), *hashes], labels
+
+
+def describe_inputs(name: str, rows: list[list[int]], ranks: Sequence[int], labels: Sequence[str],
+                    hint: str) -> str | None:
+    """The error for every rank's ``input_words`` (by group rank); None when the ranks agree."""
+    if all(row == rows[0] for row in rows):
+        return None
+    differing = []
+    for i, label in enumerate(labels):
+        column = [row[2 + i] for row in rows]
+        if any(v != column[0] for v in column):
+            alike: dict[int, list[int]] = {}
+            for r, v in zip(ranks, column):
+                alike.setdefault(v, []).append(r)
+            differing.append(f"{label} (alike on ranks {' | '.join(str(g) for g in alike.values())})")
+    what = "; ".join(differing) or "the number of arguments"
+    return (f"{name}: the inputs differ across the {len(ranks)} ranks of group {list(ranks)}: {what}. Expected the "
+            f"same inputs on every rank of a DSP group (each rank takes its own shard of them). {hint}")
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ A tag is a plain attribute of the tensor object. Two things drop attributes:
   device)``, and a tensor with exactly that view of the same memory is the same
   shard.
 - Module code makes new tensors: a block's output is not its input. The DSP plan
-  (``dsp_plugin.models.plan``) carries the tag from a block's input to its output
+  (``dsp_plugin.plan.runtime``) carries the tag from a block's input to its output
   with a forward hook (:func:`propagate`).
 
 Where neither reaches (a tensor received over a pipeline P2P, a user's own

@@ -41,3 +41,17 @@ def test_sample_latte_lines_parse() -> None:
         words = shlex.split(line)
         args = sample_latte.parse_args(words[words.index("dsp_plugin.launch.sample_latte") + 1:])
         assert args.frames == 7
+
+
+@pytest.mark.parametrize("doc", ["docs/inference.md"])
+def test_python_blocks_refuse_under_a_launcher_without_a_process_group(doc: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Started by torchrun (``WORLD_SIZE=2``) with no ``init_process_group``, each sampling example refuses
+    (``NoProcessGroupError``) instead of sampling the whole video on every rank (issue 25, item 11)."""
+    from dsp_plugin.comm import NoProcessGroupError
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    for code in _blocks(doc, "python"):
+        with pytest.raises(NoProcessGroupError, match="rank 1 of WORLD_SIZE=2.*init_process_group"):
+            exec(compile(code, doc, "exec"), {"__name__": "__docs__"})  # noqa: S102 - our own docs

@@ -200,6 +200,10 @@ RULES: list[Rule] = [
     Rule(r"docs/api\.md:python:import torch\.distributed as dist\nfrom dsp_plugin import Topology", "covered",
          tests=("tests/test_reliability.py",), why="a fragment needing torchrun's environment; Topology.world() "
          "under a real gloo world runs in the tests named"),
+    Rule(r"docs/concepts\.md:python:x = dsp_plugin\.replicate_grad", "covered",
+         tests=("tests/test_input_gradients.py::test_input_gradient_conventions",),
+         why="a fragment (a parallelized model and its batch); the test makes the same calls on two ranks against "
+         "one process"),
     Rule(r"docs/api\.md:python:import torch\nimport torch\.nn\.functional as F", "covered",
          tests=("tests/test_heads.py::test_the_api_example_runs_on_two_ranks",)),
     Rule(r"PYTHONPATH=\. python scripts/check_cost\.py", "run", subs=((r"^PYTHONPATH=\. python", sys.executable),),

@@ -116,7 +116,7 @@ def test_none_mode_parses_the_paper_flags() -> None:
 
 
 def _reference_under_the_plan(rank: int, world_size: int) -> dict[str, float]:
-    """The reference with every feature, DSP applied from outside (``models.plan``) vs one process."""
+    """The reference with every feature, DSP applied from outside (``dsp_plugin.parallelize``) vs one process."""
     import copy
 
     from dsp_plugin import parallelize, reduce_gradients

@@ -14,7 +14,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dsp_plugin import dynamic_switch, gather, reduce_gradients, split
-from dsp_plugin.models import DSPPlan, STDiT, STDiTConfig, parallelize
+from dsp_plugin import parallelize
+from dsp_plugin.models import STDiT, STDiTConfig
+from dsp_plugin.plan.builtin import stdit_plan
 from tests.distributed import run_distributed
 
 TOL = 1e-5
@@ -87,7 +89,7 @@ class _KeywordSTDiT(STDiT):
         return self.unpatchify(self.final_layer(x, c), height, width)
 
 
-def _variant(reference: STDiT, how: str) -> tuple[nn.Module, DSPPlan | None]:
+def _variant(reference: STDiT, how: str) -> tuple[nn.Module, dict | None]:
     if how == "keywords":
         model = _KeywordSTDiT(reference.config)
         model.load_state_dict(reference.state_dict())
@@ -96,8 +98,8 @@ def _variant(reference: STDiT, how: str) -> tuple[nn.Module, DSPPlan | None]:
     if how == "plain":
         return model, None
     model.blocks = nn.ModuleList(_Checkpointed(b, reentrant=(how == "reentrant")) for b in model.blocks)
-    plan = DSPPlan.for_stdit(reference)
-    plan.blocks = [f"blocks.{i}.block" for i in range(len(model.blocks))]
+    # the block's hooks on the checkpointed module inside the wrapper
+    plan = {(f"{k}.block" if k.startswith("blocks.") else k): v for k, v in stdit_plan(reference).items()}
     return model, plan
 
 
@@ -112,7 +114,7 @@ def _two_forwards_in_flight(rank: int, n: int, how: str) -> dict[str, float]:
     torch.manual_seed(0)
     reference = STDiT(STDiTConfig.preset("tiny"))
     model, plan = _variant(reference, how)
-    parallelize(model, plan=plan)
+    parallelize(model, plan)
     losses = []
     for net in (reference, model):
         total = 0.0

@@ -76,6 +76,15 @@ class LatteDSP(nn.Module):
 
         frames = hidden_states.shape[2] if isinstance(hidden_states, torch.Tensor) and hidden_states.dim() else 0
         self._check_input("LatteDSP.forward", hidden_states, frames)
+        from dsp_plugin.comm import agree_inputs
+        from dsp_plugin.comm.group_resolution import _resolve_group
+        from dsp_plugin.plan.runtime import INPUT_HINT
+
+        agree_inputs("LatteDSP.forward", {"hidden_states": hidden_states, "timestep": timestep,
+                                          "encoder_hidden_states": encoder_hidden_states,
+                                          "encoder_attention_mask": encoder_attention_mask,
+                                          "enable_temporal_attentions": enable_temporal_attentions},
+                     group=_resolve_group(self.group, "LatteDSP"), hint=INPUT_HINT)
         local = split(hidden_states, 2, group=self.group)               # [B, C, T/N, H, W]
         out = self._on_shard(local, frames, timestep, encoder_hidden_states, encoder_attention_mask,
                              enable_temporal_attentions)

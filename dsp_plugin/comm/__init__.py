@@ -10,23 +10,27 @@ By role (each module imports only those above it)::
     primitives.py         split, gather, dynamic_switch: the data movement and the autograd Functions
     overlap.py            switch_apply: a chunk's all-to-all in flight while the previous chunk computes
     reduction.py          reduce_gradients and the agreement on the parameter list
+    replicate.py          replicate_grad: a replicated input's full gradient on every rank (sum in backward)
 
 ``from dsp_plugin.comm import <name>`` keeps working for every public name below.
 """
 
 from __future__ import annotations
 
-from dsp_plugin.comm.agree import exchange_words
+from dsp_plugin.comm.agree import agree_inputs, exchange_words, raise_together
 from dsp_plugin.comm.collectives import all_reduce_mean, meet_and_close
-from dsp_plugin.comm.group_resolution import NoTopologyError, group_rank, group_size
+from dsp_plugin.comm.group_resolution import NoProcessGroupError, NoTopologyError, group_rank, group_size
 from dsp_plugin.comm.group_resolution import no_topology_message as no_topology_message  # public, not in __all__
 from dsp_plugin.comm.overlap import switch_apply
 from dsp_plugin.comm.primitives import count_sharded_call, dynamic_switch, gather, sharded_calls, split
 from dsp_plugin.comm.reduction import reduce_gradients
+from dsp_plugin.comm.replicate import replicate_grad
 from dsp_plugin.packing import chunk_sizes
 
 __all__ = [
+    "NoProcessGroupError",
     "NoTopologyError",
+    "agree_inputs",
     "all_reduce_mean",
     "meet_and_close",
     "chunk_sizes",
@@ -36,7 +40,9 @@ __all__ = [
     "gather",
     "group_rank",
     "group_size",
+    "raise_together",
     "reduce_gradients",
+    "replicate_grad",
     "sharded_calls",
     "split",
     "switch_apply",

@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from dsp_plugin import checks
-from dsp_plugin.comm.collectives import _all_gather_tensor
+from dsp_plugin.comm.collectives import _all_gather_tensor, released
 from dsp_plugin.packing import chunk_sizes
 
-__all__ = ["exchange_words"]
+__all__ = ["agree_inputs", "exchange_words", "raise_together"]
 
 
 def _as_int(name: str, arg: str, value: object) -> int:
@@ -63,6 +63,7 @@ def _exchange(fingerprint: list[int], device: torch.device, group: dist.ProcessG
     table = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
     with checks.exchanging():
         _all_gather_tensor(table, mine, group)
+    released(group, table, mine)   # an error raised next may end the process: leave gloo holding nothing
     return table.view(n, -1).tolist()
 
 
@@ -125,3 +126,71 @@ def _agree(name: str, x: object, *, cur: int, tgt: int, known_len: int | None, g
         raise ValueError(f"{name}: rank {rank} holds {local} of dim {cur}, but global_len={known_len} "
                          f"split over {n} ranks gives it {chunk_sizes(known_len, n)[rank]}")  # type: ignore[arg-type]
     return -1 if cur < 0 else known_len  # type: ignore[return-value]
+
+
+def agree_inputs(name: str, values: dict[str, object], *, group: dist.ProcessGroup | None, hint: str,
+                 every_call: bool = False) -> None:
+    """Every rank of ``group`` was given the same ``values`` (an entry's arguments by name), else
+    ``checks.InputMismatch`` on every rank, naming the arguments that differ and which ranks hold alike ones.
+
+    The entry check of a parallelized model's forward and of the samplers: an unseeded ``torch.randn``,
+    a prompt, seed, generator or latents that differ per rank would otherwise mix a sample from several
+    inputs without a word. Run when ``checks`` says so: by default the first call of each signature (the
+    arguments' names, shapes and dtypes), every call under ``DSP_CHECK=1``, never under ``DSP_CHECK=0``;
+    ``every_call=True`` (the samplers: a prompt changes from call to call, and a call takes seconds) on
+    every call unless ``DSP_CHECK=0``. One all_gather of a fingerprint row (the primitives' check format)
+    and a host copy of the inputs.
+    """
+    if group is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    n = dist.get_world_size(group)
+    if n == 1:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    key = ("inputs", name, tuple(ranks), tuple((k, _structure(v)) for k, v in values.items()))
+    if not (checks.check_mode() != "off" if every_call else checks.needs_check_for(key)):
+        return
+    words, labels = checks.input_words(values)
+    first = next((v for v in values.values() if isinstance(v, torch.Tensor)), None)
+    table = exchange_words(words, group=group, device=_exchange_device(first, group))
+    foreign = [r for r, row in zip(ranks, table) if row[0] != checks.INPUTS_MAGIC]
+    if foreign:
+        raise checks.CrossRankMismatch(f"{name}: rank(s) {foreign} of group {ranks} are in another collective "
+                                       f"(a DSP primitive or a check) while the others check their inputs; "
+                                       f"expected every rank to call {name} here")
+    message = checks.describe_inputs(name, [row[:len(words)] for row in table], ranks, labels, hint)
+    if message is not None:
+        raise checks.InputMismatch(message)
+    checks.remember(key)
+
+
+def _structure(value: object) -> object:
+    """What must be alike in a correct program, cheaply: shapes and dtypes of tensors, containers' layout."""
+    if isinstance(value, torch.Tensor):
+        return ("T", tuple(value.shape), str(value.dtype))
+    if isinstance(value, (list, tuple)):
+        return tuple(_structure(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _structure(v)) for k, v in value.items())
+    return type(value).__name__
+
+
+def raise_together(name: str, error: Exception | None, *, group: dist.ProcessGroup) -> None:
+    """Every rank of ``group`` raises the first failing rank's error (``error``: this rank's, or None).
+
+    For a check only some ranks can make (the writing rank's output path): one all_gather of a row
+    with the message, so a rank without an error raises ``CrossRankMismatch`` carrying the failing
+    rank's text, and the failing rank its own error, instead of its peers waiting in their next
+    collective. Costs one small collective, always (a preflight, once).
+    """
+    words = [checks.FAIL_MAGIC, *checks.encode_text("" if error is None else f"{type(error).__name__}: {error}")]
+    table = exchange_words(words, group=group, device=_exchange_device(None, group))
+    ranks = dist.get_process_group_ranks(group)
+    failed = [(r, checks.decode_text(row[1:])) for r, row in zip(ranks, table)
+              if row[0] == checks.FAIL_MAGIC and row[1]]
+    if error is not None:
+        raise error
+    if failed:
+        rank, message = failed[0]
+        raise checks.CrossRankMismatch(f"{name}: rank {rank} failed its own check before the work, so every rank "
+                                       f"stops here: {message}")

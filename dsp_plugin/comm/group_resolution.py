@@ -3,14 +3,19 @@
 ``group=None`` is the DSP group of the installed topology (``dsp_plugin.topology``);
 without torch.distributed, or on a world of one rank, a call runs on a group of
 size 1. On more than one rank with no topology it refuses (``NoTopologyError``)
-rather than shard over a world that the framework reduces its own way.
+rather than shard over a world that the framework reduces its own way; started as
+one of several processes (``WORLD_SIZE`` > 1) with no process group it refuses too
+(``NoProcessGroupError``) rather than run the whole model on every rank.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch.distributed as dist
 
-__all__ = ["NoTopologyError", "group_rank", "group_size", "no_topology_message"]
+__all__ = ["NoProcessGroupError", "NoTopologyError", "check_launched_alone", "group_rank", "group_size",
+           "no_topology_message"]
 
 
 class NoTopologyError(RuntimeError):
@@ -28,6 +33,27 @@ def no_topology_message(name: str) -> str:
             f"from dsp_plugin.deepspeed.initialize (it installs the topology).")
 
 
+class NoProcessGroupError(NoTopologyError):
+    """Started as one of several processes (torchrun's ``WORLD_SIZE``) with no process group: raised alike on every rank."""
+
+
+def check_launched_alone(name: str) -> None:
+    """Refuse to run unparallel on each of several launched processes.
+
+    torchrun (and the DeepSpeed launcher, Slurm's srun through torchrun) export ``WORLD_SIZE``; a
+    script that never calls ``init_process_group`` would otherwise have every rank compute the whole
+    sequence alone, N times the work with nothing shared, and exit 0.
+    """
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        raise NoProcessGroupError(
+            f"{name}: this process is rank {os.environ.get('RANK', '?')} of WORLD_SIZE={world} (a launcher such as "
+            f"torchrun started {world} processes), but torch.distributed is not initialised, so every rank would "
+            f"run the whole model alone. Fix: call torch.distributed.init_process_group() first (backend "
+            f"\"nccl\" on GPUs, \"gloo\" on CPU; dsp_plugin.backend.choose() picks one), then install a topology "
+            f"(dsp_plugin.set_topology(dsp_plugin.Topology.build(dsp=N)), or sampling_groups() for sampling).")
+
+
 def _resolve_group(group: dist.ProcessGroup | None, name: str = "dsp_plugin") -> dist.ProcessGroup | None:
     """``None`` -> the DSP group of the installed topology; an error on > 1 rank without one.
 
@@ -37,6 +63,7 @@ def _resolve_group(group: dist.ProcessGroup | None, name: str = "dsp_plugin") ->
     if group is not None:
         return group
     if not (dist.is_available() and dist.is_initialized()):
+        check_launched_alone(name)
         return None
     from dsp_plugin.topology import get_topology
 

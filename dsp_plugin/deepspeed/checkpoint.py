@@ -25,10 +25,12 @@ calls:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
 import secrets
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -94,18 +96,44 @@ def save(engine: Any, save_dir: str | os.PathLike, *, step: int, client_state: d
     save_id = _agreed_id(device)
     tag = f"step{step}-{save_id}"
     state = dict(client_state or {}, **{SAVE_ID_KEY: save_id}, **_universal_info())
-    engine.save_checkpoint(str(path), tag=tag, client_state=state, save_latest=False)  # ends with a barrier
     rank, world = dist.get_rank(), dist.get_world_size()
-    files = _files(path / tag)
-    mine = {str(f.relative_to(path / tag)): _hash(f) for i, f in enumerate(files) if i % world == rank}
-    manifest = {"save_id": save_id, "tag": tag, "world_size": world, "files": mine}
-    (path / tag / _MANIFEST.format(rank)).write_text(json.dumps(manifest, indent=1))
+    try:
+        engine.save_checkpoint(str(path), tag=tag, client_state=state, save_latest=False)  # ends with a barrier
+        files = _files(path / tag)
+        mine = {str(f.relative_to(path / tag)): _hash(f) for i, f in enumerate(files) if i % world == rank}
+        manifest = {"save_id": save_id, "tag": tag, "world_size": world, "files": mine}
+        (path / tag / _MANIFEST.format(rank)).write_text(json.dumps(manifest, indent=1))
+    except (OSError, RuntimeError) as exc:
+        full = _write_failure(exc, path / tag)
+        if full is None:
+            raise
+        raise full from exc
     all_gather_rows(torch.ones(1, device=device))  # every manifest is written before latest
     if rank == 0:
         tmp = path / ".latest.tmp"
         tmp.write_text(tag)
         os.replace(tmp, path / "latest")
     return tag
+
+
+def _write_failure(exc: BaseException, where: Path) -> CheckpointError | None:
+    """A ``CheckpointError`` naming the path and its filesystem's free space when ``exc`` is a failed write
+    (no space, a quota, a file size limit), else None. DeepSpeed's own error names neither: torch.save's
+    zip writer reports a short write as "file write failed" or "unexpected pos N vs M", without the errno."""
+    codes = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+    text = str(exc)
+    short_write = any(m in text for m in ("write failed", "unexpected pos", "No space left", "Disk quota"))
+    if not ((isinstance(exc, OSError) and exc.errno in codes) or short_write):
+        return None
+    existing = next(p for p in (where, *where.parents) if p.exists())
+    usage = shutil.disk_usage(existing)
+    mount = existing.resolve()
+    while not os.path.ismount(mount):
+        mount = mount.parent
+    return CheckpointError(f"saving checkpoint {str(where)!r} failed writing ({text.splitlines()[0][:200]}): the "
+                           f"filesystem mounted at {str(mount)!r} has {usage.free / 2**30:.2f} GiB free of "
+                           f"{usage.total / 2**30:.2f} GiB (or a quota or file-size limit was hit); free space "
+                           f"there or pass another --save_dir. The previous complete save is still 'latest'.")
 
 
 def check_load_dir(load_dir: str | os.PathLike) -> tuple[str, str]:
@@ -139,9 +167,15 @@ def check_load_dir(load_dir: str | os.PathLike) -> tuple[str, str]:
     records = [json.loads(m.read_text()) for m in manifests]
     ids = {m.name: r["save_id"] for m, r in zip(manifests, records)}
     world = records[0].get("world_size", len(records))
-    if len(set(ids.values())) > 1 or len(records) != world:
+    if len(set(ids.values())) > 1 or len(records) > world:
         raise CheckpointError(f"checkpoint {str(tag_dir)!r} mixes saves: manifests {ids} (expected {world}, "
                               f"one per saving rank, all of one save)")
+    if len(records) < world:
+        missing = sorted(set(_MANIFEST.format(r) for r in range(world)) - set(ids))
+        raise CheckpointError(f"checkpoint {str(tag_dir)!r} is missing manifest(s) {missing} of its {world} saving "
+                              f"ranks (deleted, or the save stopped before every rank wrote its own); refusing to "
+                              f"load files nothing vouches for (restore them, or point 'latest' at an earlier "
+                              f"complete tag)")
     expected = {name: digest for r in records for name, digest in r["files"].items()}
     present = {str(f.relative_to(tag_dir)) for f in _files(tag_dir)}
     missing, extra = sorted(set(expected) - present), sorted(present - set(expected))

@@ -5,8 +5,9 @@ Moving a DeepSpeed script to DSP takes three changes (docs/deepspeed.md):
 1. the config key: ``"sequence_parallel_mode": "dsp"`` next to ``"sequence_parallel_size": N``;
 2. ``from dsp_plugin.deepspeed import initialize`` in place of ``deepspeed.initialize``;
 3. a DSP-aware model: its forward must shard the sequence with ``split`` /
-   ``dynamic_switch`` / ``gather`` (``dsp_plugin.parallelize`` does it from a plan;
-   a model may also call the primitives itself). A model
+   ``dynamic_switch`` / ``gather`` (``dsp_plugin.parallelize`` does it from outside
+   with a plan: built in for Wan, CogVideoX, Latte, SVD, STDiT; or your own; or the
+   model calls the primitives itself). A model
    that does not is caught at its first forward (``guard.py``).
 
 With the key, ``initialize``, in order:
@@ -46,8 +47,8 @@ import torch.distributed as dist
 
 from dsp_plugin.data import dsp_dataloader
 from dsp_plugin.deepspeed.config import DSPSettings, parse_dsp_config
-from dsp_plugin.deepspeed.gradients import (gradient_scale, install_every_gradient, install_gradient_scale,
-                                            partition_for_zero3)
+from dsp_plugin.deepspeed.gradients import (fetch_persistent_at_entry, gradient_scale, install_every_gradient,
+                                            install_gradient_scale, partition_for_zero3)
 from dsp_plugin.deepspeed.guard import install_guard
 from dsp_plugin.deepspeed.mpu import DeepSpeedMPU
 from dsp_plugin.deepspeed_env import require_tested_deepspeed, skip_cpu_shm_build
@@ -156,8 +157,10 @@ def _initialize_dsp(settings: DSPSettings, *, training_data: Any, scale: float |
     install_guard(kwargs["model"], topology, device=lambda: bound[0])
     engine, optimizer, _, scheduler = deepspeed.initialize(training_data=None, mpu=mpu, **kwargs)
     bound.append(engine.device)
+    if settings.zero_stage == 3:
+        fetch_persistent_at_entry(kwargs["model"])
     if os.environ.get(EVERY_GRADIENT_ENV, "1") != "0":   # after: ZeRO-3's own pre-hooks gather parameters first
-        install_every_gradient(kwargs["model"])
+        install_every_gradient(kwargs["model"], topology.dp_dsp_group)
     loader = None
     if training_data is not None:
         extra = {} if kwargs["collate_fn"] is None else {"collate_fn": kwargs["collate_fn"]}

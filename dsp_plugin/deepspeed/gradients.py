@@ -34,7 +34,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.hooks import RemovableHandle
 
 from dsp_plugin.deepspeed.config import DSPSettings
@@ -42,8 +41,8 @@ from dsp_plugin.deepspeed.config import DSPSettings
 if TYPE_CHECKING:
     from dsp_plugin.topology import Topology
 
-__all__ = ["cast_parameters", "gradient_scale", "install_every_gradient", "install_gradient_scale", "param_dtype",
-           "partition_for_zero3"]
+__all__ = ["cast_parameters", "fetch_persistent_at_entry", "gradient_scale", "install_every_gradient",
+           "install_gradient_scale", "param_dtype", "partition_for_zero3"]
 
 
 def gradient_scale(settings: DSPSettings) -> float:
@@ -71,84 +70,43 @@ def install_gradient_scale(module: torch.nn.Module, scale: float) -> list[Remova
     return handles
 
 
-def install_every_gradient(module: torch.nn.Module) -> list[RemovableHandle]:
-    """Give every trainable parameter a gradient on every rank, zero where this rank did not use it.
+def install_every_gradient(module: torch.nn.Module, group: dist.ProcessGroup | None) -> list[RemovableHandle]:
+    """Give every trainable parameter a gradient on every rank of ``group``, zero where this rank did not use it.
 
     A parameter used on some ranks only (a CLS or register token added to the
-    frame one rank holds, a head computed on one rank's shard) has no gradient on
-    the others; ZeRO's buckets then hold different parameters on different ranks
-    and the reduction flattens different sizes (gloo aborts: "Received data size
-    doesn't match expected size"). A forward pre-hook on every module that owns
-    parameters passes the module's first floating-point input through ``_Touch``
-    (an identity view whose backward also returns a zero gradient for each of the
-    module's parameters), so autograd delivers a gradient to every parameter on
-    every rank, zero where the rank did not use it, and DeepSpeed's own hooks
-    reduce the same parameters everywhere: a missing gradient counts as zeros, as
-    on one process.
-
-    On the input, not the output: the last contribution to a parameter's
-    gradient then arrives when the backward leaves its module, on every rank
-    alike, so ZeRO-2/3 fill their buckets in the same order everywhere (with the
-    term on the output, a rank that never used the token had its gradient ready
-    first and the reduce-scatter summed mismatched slots). Install after
-    ``deepspeed.initialize``: ZeRO-3 gathers a module's parameters in its own
-    pre-hook, which must run first. A module whose inputs hold no floating-point
-    tensor gets it on its output. Cost: one autograd node per module call, and
-    per backward one zero-filled tensor (and its accumulation) per parameter.
+    frame one rank holds, a head computed on one rank's shard, an adapter reading
+    ``emb.cls_token`` as an attribute) has no gradient on the others; ZeRO's
+    buckets then hold different parameters on different ranks and the reduction
+    flattens different sizes (gloo aborts: "Received data size doesn't match
+    expected size"). ``dsp_plugin.every_gradient`` learns in the first forward which
+    parameters the ranks of ``group`` (DP x DSP: ZeRO's) use unalike and hangs their
+    zero terms on the model's input, so their gradients complete at the same point of
+    every rank's backward and ZeRO fills its buckets in the same order everywhere; a
+    parameter no rank used gets zeros too (ZeRO-2 fails on a missing one).
+    Installed after ``deepspeed.initialize`` (replacing what ``parallelize`` installed
+    on the same model or a submodule).
     """
-    for handle in getattr(module, "_dsp_every_gradient_hooks", []):
-        handle.remove()
-    handles = []
-    for owner in module.modules():
-        params = [p for p in owner.parameters(recurse=False) if p.requires_grad]
-        if params:
-            handles.extend(_zero_term_hooks(owner, params))
-    module._dsp_every_gradient_hooks = handles
-    return handles
+    from dsp_plugin import every_gradient
+
+    return every_gradient.install(module, group=group, unused=True)
 
 
-class _Touch(torch.autograd.Function):
-    """Identity on ``x`` (a view, no copy) whose backward also hands each of ``params`` a zero gradient."""
+def fetch_persistent_at_entry(module: torch.nn.Module) -> None:
+    """ZeRO-3: fetch the persistent (small) parameters in the model's own pre-forward, on every rank.
 
-    @staticmethod
-    def forward(ctx, x, *params):  # type: ignore[override]
-        # the shapes now: ZeRO-3 releases a parameter's storage after its module's forward
-        ctx.specs = [(p.shape, p.dtype, p.device) for p in params]
-        return x.view_as(x)
+    DeepSpeed otherwise gathers a parameter when its module runs, or, read as an attribute outside
+    its module's forward (an adapter adding ``emb.cls_token`` to the frame one rank holds), when it
+    is read: on the reading ranks only, which then wait in an all_gather their peers never call
+    (gloo aborts). Registered as external parameters of the model itself (DeepSpeed's own
+    ``register_external_parameter``), the small ones are gathered at the model's entry on every
+    rank alike; being persistent they stay gathered, so this costs one gather in the first forward.
+    A large (partitioned) parameter read on some ranks only still needs the user's registration.
+    """
+    from deepspeed.runtime.zero import register_external_parameter
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):  # type: ignore[override]
-        return (grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.specs))
-
-
-def _add_zero_term(tree: Any, params: list[torch.nn.Parameter]) -> tuple[Any, bool]:
-    leaves, spec = tree_flatten(tree)
-    for i, leaf in enumerate(leaves):
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-            leaves[i] = _Touch.apply(leaf, *params)
-            return tree_unflatten(leaves, spec), True
-    return tree, False
-
-
-def _zero_term_hooks(owner: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[RemovableHandle]:
-    state = {"on_output": False}   # a module whose inputs hold no floating-point tensor: its output, from then on
-
-    def before(_: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-        if state["on_output"] or not torch.is_grad_enabled():
-            return None
-        (args, kwargs), added = _add_zero_term((args, kwargs), params)
-        if added:
-            return args, kwargs
-        state["on_output"] = True
-        handles.append(owner.register_forward_hook(after))
-        return None
-
-    def after(_: torch.nn.Module, args: Any, output: Any) -> Any:
-        return _add_zero_term(output, params)[0] if torch.is_grad_enabled() else None
-
-    handles = [owner.register_forward_pre_hook(before, with_kwargs=True)]
-    return handles
+    for param in module.parameters():
+        if getattr(param, "ds_persist", False):
+            register_external_parameter(module, param)
 
 
 def partition_for_zero3(module: torch.nn.Module, topology: Topology, config: dict[str, Any], mpu: Any) -> None:

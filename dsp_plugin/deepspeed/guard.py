@@ -31,16 +31,15 @@ on purpose).
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
 from dsp_plugin import checks
+from dsp_plugin.checks import input_fingerprint
 from dsp_plugin.comm import exchange_words, sharded_calls
 from dsp_plugin.topology import Topology
 
@@ -55,22 +54,6 @@ Device = torch.device | str | Callable[[], torch.device | str]
 
 class DSPGuardError(RuntimeError):
     """The model or the data do not follow DSP's contract; raised identically on every rank."""
-
-
-def input_fingerprint(args: Any, kwargs: Any) -> int:
-    """A signed 64-bit hash of the forward's tensor inputs: their order, dtypes, shapes and bytes.
-
-    Bytes, not sums: a permuted input changes it, and identical inputs with NaN
-    (or inf) give the same hash. Costs one host copy of the inputs, once per run.
-    """
-    digest = hashlib.blake2b(digest_size=8)
-    for leaf in tree_leaves((args, kwargs)):
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        data = leaf.detach().reshape(-1).contiguous().cpu()
-        digest.update(f"{data.dtype}{tuple(leaf.shape)};".encode())
-        digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
-    return int.from_bytes(digest.digest(), "little", signed=True)
 
 
 def _group_verdict(rows: list[list[int]], ranks: list[int], size: int) -> str | None:
@@ -88,7 +71,7 @@ def _group_verdict(rows: list[list[int]], ranks: list[int], size: int) -> str | 
                 f"sequence_parallel_size={size}, but the first forward issued no DSP split or switch on "
                 f"rank(s) {unsharded}. Every DSP rank would compute the whole sequence and ZeRO would sum "
                 f"{size} identical gradients: training with gradients {size}x too large. Make the model "
-                f"DSP-aware before initialize: dsp_plugin.parallelize(model) (a built-in plan, or plan= for your own), or "
+                f"DSP-aware before initialize: dsp_plugin.parallelize(model) (a built-in plan or your own), or "
                 f"call dsp_plugin.split / dynamic_switch / gather in its forward (docs/deepspeed.md, 'From a "
                 f"DeepSpeed script to DSP'); or remove 'sequence_parallel_mode' to train without DSP.")
     if any(row[2] != rows[0][2] for row in rows):
@@ -147,6 +130,8 @@ def install_guard(module: torch.nn.Module, topology: Topology, *, device: Device
         if message is not None:
             raise DSPGuardError(message)
 
-    setattr(module, _HANDLES, [module.register_forward_pre_hook(before, with_kwargs=True),
+    # first of the model's pre-hooks: a plan that splits the model's own input (a Split on "") must not have
+    # cut it yet, or the ranks' fingerprints of their shards differ although their inputs are the same
+    setattr(module, _HANDLES, [module.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
                                module.register_forward_hook(after, with_kwargs=True)])
     return True

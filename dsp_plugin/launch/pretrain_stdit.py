@@ -28,6 +28,8 @@ from megatron.core.enums import ModelType
 from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.arguments import parse_and_validate_args
 
+from dsp_plugin.failures import launch_main
+from dsp_plugin.launch.paths import check_output_dir
 from dsp_plugin.megatron.arguments import add_dsp_arguments
 from dsp_plugin.megatron.resume import add_load_arguments, check_load_path
 from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers
@@ -108,6 +110,7 @@ def close_process_group_on_success() -> Iterator[None]:
     meet_and_close()
 
 
+@launch_main
 def main() -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
@@ -126,6 +129,8 @@ def main() -> None:
             print_rank_0(f"> {fresh}")
         if not cuda_is_real():
             refuse_cuda_only_options(args)
+        if args.save:   # every rank writes its part of a checkpoint: every rank checks, before pretrain()
+            check_output_dir("--save", args.save)
         print_rank_0(f"> sequence parallel mode: {args.sequence_parallel_mode}, dsp size {args.dsp_size} "
                      f"(Megatron context-parallel slot), tp {args.tensor_model_parallel_size}, "
                      f"pp {args.pipeline_model_parallel_size}, dp {args.data_parallel_size}")

@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 from dsp_plugin import backend as runtime
 from dsp_plugin.accounting import CommAccounting
+from dsp_plugin.failures import launch_main, reporting
+from dsp_plugin.launch.paths import OutputPathError, check_output_dir, check_output_file, raise_on_every_rank
 from dsp_plugin.pipelines import parallelize_latte_pipeline, sampling_groups
 from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds
 from dsp_plugin.topology import set_topology
@@ -47,6 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@launch_main
 def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     created = "RANK" in os.environ and not dist.is_initialized()
@@ -55,16 +58,33 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             device = runtime.init_distributed(timeout_s=args.timeout).device
         else:
             device = runtime.current_device() if dist.is_initialized() else runtime.choose().device
-        return sample(args, device)
+        with reporting():   # this rank's own error posted for its peers, a peer's named (dsp_plugin.failures)
+            return sample(args, device)
     finally:  # also on an error: no gloo work left for interpreter exit, no topology left installed
         set_topology(None)
         if created and dist.is_initialized():
             dist.destroy_process_group()
 
 
+def check_outputs(args: argparse.Namespace, rank: int) -> None:
+    """Rank 0 writes ``--out`` and ``--save-pretrained``: it checks them before sampling, and its verdict
+    stops every rank alike (``paths.raise_on_every_rank``), not rank 0 alone after the frames are made."""
+    error: Exception | None = None
+    if rank == 0:
+        try:
+            if args.out:
+                check_output_file("--out", args.out)
+            if args.save_pretrained:
+                check_output_dir("--save-pretrained", args.save_pretrained)
+        except OutputPathError as exc:
+            error = exc
+    raise_on_every_rank("dsp_plugin.launch.sample_latte", error)
+
+
 def sample(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    check_outputs(args, rank)
     torch.set_num_threads(1)
     pipe = tiny_latte_pipeline(frames=args.frames, layers=args.layers, sample_size=args.size // 2,
                                seed=args.seed, pretrained=args.pretrained).to(device)

@@ -40,6 +40,8 @@ from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.deepspeed import checkpoint, initialize  # DSP (was: deepspeed.initialize)
 from dsp_plugin.deepspeed.config import require_dsp_config
 from dsp_plugin.deepspeed.engine import load_config
+from dsp_plugin.failures import launch_main, reporting
+from dsp_plugin.launch.paths import check_output_file
 from dsp_plugin.models import STDiT, STDiTConfig
 from dsp_plugin.steplog import log_first_call
 from dsp_plugin.topology import set_topology
@@ -81,16 +83,20 @@ def preflight(args: argparse.Namespace) -> None:
                             settings.size)
     if args.save_dir:
         checkpoint.check_save_dir(args.save_dir)
+    if args.losses_json:   # rank 0 writes it; every rank checks (the same shared path), before any collective
+        check_output_file("--losses_json", args.losses_json)
     if args.load_dir:
         checkpoint.check_load_dir(args.load_dir)
 
 
+@launch_main
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     preflight(args)
     try:
-        train(args)
+        with reporting():   # this rank's own error posted for its peers, a peer's named (dsp_plugin.failures)
+            train(args)
     finally:  # also on an error: no gloo work left for interpreter exit, no topology left installed
         set_topology(None)
         if dist.is_initialized():

@@ -34,6 +34,8 @@ from dsp_plugin import backend as runtime
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
+from dsp_plugin.failures import launch_main, reporting
+from dsp_plugin.launch.paths import check_output_file
 from dsp_plugin.models import STDiT, STDiTConfig
 from dsp_plugin.plan.builtin import stdit_schedule
 
@@ -73,6 +75,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+@launch_main
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
@@ -83,13 +86,16 @@ def main() -> None:
     check_divisible_lengths("dsp_plugin.launch.train_dsp", {"--frames": args.frames,
                                                             "spatial tokens (--height/2)*(--width/2)":
                                                             (args.height // 2) * (args.width // 2)}, dsp)
+    if args.out:   # rank 0 writes it; every rank checks (the same shared path), before any collective
+        check_output_file("--out", args.out)
     try:
         if distributed:
             device = runtime.init_distributed(timeout_s=args.timeout).device
             set_topology(Topology.build(dsp=args.dsp))   # its groups inherit --timeout
         else:
             device = runtime.choose().device
-        run(args, distributed, device)
+        with reporting():   # this rank's own error posted for its peers, a peer's named (dsp_plugin.failures)
+            run(args, distributed, device)
     finally:
         set_topology(None)
         if dist.is_initialized():

@@ -25,7 +25,7 @@ OpenSora 1.2 (STDiT3) features, each off by default (the model above is unchange
   ``scale_shift_table [6, D]``, the final layer ``[2, D]`` to the embedding itself.
 
 Nothing here knows about parallelism: every shape is read from the tensor the
-module receives, so the same code runs on a shard. ``dsp_plugin.models.plan``
+module receives, so the same code runs on a shard. ``dsp_plugin.parallelize``
 applies DSP from outside.
 """
 

@@ -28,9 +28,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsp_plugin.comm import gather, group_rank, group_size, split
+from dsp_plugin.comm import agree_inputs, gather, group_rank, group_size, split
+from dsp_plugin.comm.collectives import broadcast
+from dsp_plugin.comm.group_resolution import _resolve_group, check_launched_alone
 
 __all__ = ["FrameShardedSampler", "guide", "sampling_groups"]
+
+#: what a sampler's input mismatch (``checks.InputMismatch``) tells the user to do
+SAMPLER_HINT = ("Pass the same prompt, embeddings, sizes and latents on every rank, and a generator seeded alike "
+                "(torch.Generator().manual_seed(seed) with the same seed); without a generator the noise is drawn "
+                "once, on rank 0, and shared.")
 
 STOCHASTIC_SCHEDULERS = ("DDPMScheduler", "EulerAncestralDiscreteScheduler", "KDPM2AncestralDiscreteScheduler",
                          "DPMSolverSDEScheduler", "LCMScheduler", "TCDScheduler")
@@ -77,6 +84,22 @@ class FrameShardedSampler:
                              f"cfg_group=None")
         return do_cfg
 
+    def agree_call(self, values: dict[str, Any]) -> None:
+        """The call's arguments are alike on every rank of the DSP and the CFG group, else ``InputMismatch``
+        on every rank naming them (every call: prompts change from call to call; not under ``DSP_CHECK=0``)."""
+        name = type(self).__name__
+        for group in (_resolve_group(self.dsp_group, self.entry), self.cfg_group):
+            agree_inputs(name, values, group=group, hint=SAMPLER_HINT, every_call=True)
+
+    def share_noise(self, full: torch.Tensor) -> torch.Tensor:
+        """The noise rank 0 drew, on every rank: without a generator each process draws from its own default
+        generator (seeded differently per process), so it is drawn once and sent (a broadcast per group)."""
+        for group in (_resolve_group(self.dsp_group, self.entry), self.cfg_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                full = full.contiguous()
+                broadcast(full, group=group)
+        return full
+
     def cfg_half(self, uncond: Any, cond: Any) -> Any:
         """Under CFG parallelism: CFG rank 0 runs the unconditional half, rank 1 the conditional one."""
         return uncond if group_rank(self.cfg_group) == 0 else cond
@@ -109,6 +132,7 @@ def sampling_groups(*, cfg_parallel: bool) -> tuple[dist.ProcessGroup | None, di
     parameters). Without torch.distributed: (None, None).
     """
     if not (dist.is_available() and dist.is_initialized()):
+        check_launched_alone("sampling_groups")
         return None, None
     from dsp_plugin.topology import Topology, set_topology
 

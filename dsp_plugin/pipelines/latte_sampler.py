@@ -40,8 +40,10 @@ class DSPLattePipeline(FrameShardedSampler):
                  decode_chunk_size: int | None = 14, return_dict: bool = True,
                  callback_on_step_end: Callable[[int, Any, torch.Tensor], None] | None = None) -> Any:
         """Same arguments and output as ``LattePipeline.__call__`` (``callback_on_step_end(i, t, shard)``)."""
+        values = {k: v for k, v in locals().items() if k not in ("self", "callback_on_step_end")}
         from diffusers.pipelines.latte.pipeline_latte import LattePipelineOutput, retrieve_timesteps
 
+        self.agree_call(values)
         pipe = self.pipe
         if eta != 0.0:
             raise ValueError(f"DSPLattePipeline: eta={eta} makes the scheduler step draw noise of the shard's "
@@ -65,6 +67,8 @@ class DSPLattePipeline(FrameShardedSampler):
         batch = prompt_embeds.shape[0]
         full = pipe.prepare_latents(batch, pipe.transformer.config.in_channels, video_length, height, width,
                                     prompt_embeds.dtype, device, generator, latents)
+        if generator is None and latents is None:
+            full = self.share_noise(full)
         shard = self.shard(full)                                     # [B, C, T/N, h, w], kept to the end
         del full
         extra = pipe.prepare_extra_step_kwargs(generator, eta)

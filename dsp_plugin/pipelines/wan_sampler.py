@@ -82,8 +82,10 @@ class DSPWanPipeline(FrameShardedSampler):
                  callback_on_step_end: Callable[[int, Any, torch.Tensor], None] | None = None,
                  max_sequence_length: int = 512) -> Any:
         """Same arguments and output as ``WanPipeline.__call__`` (``callback_on_step_end(i, t, shard)``)."""
+        values = {k: v for k, v in locals().items() if k not in ("self", "callback_on_step_end")}
         from diffusers.pipelines.wan.pipeline_output import WanPipelineOutput
 
+        self.agree_call(values)
         pipe, first = self.pipe, self.models[0]
         pipe.check_inputs(prompt, negative_prompt, height, width, prompt_embeds, negative_prompt_embeds, None,
                           guidance_scale_2)
@@ -121,6 +123,8 @@ class DSPWanPipeline(FrameShardedSampler):
         timesteps = pipe.scheduler.timesteps
         full = pipe.prepare_latents(batch * num_videos_per_prompt, first.config.in_channels, height, width,
                                     num_frames, torch.float32, device, generator, latents)
+        if generator is None and latents is None:
+            full = self.share_noise(full)
         hw = (full.shape[3] // ph) * (full.shape[4] // pw)
         shard = self.shard(full)                                    # [B, C, F/N, h, w], kept to the end
         del full

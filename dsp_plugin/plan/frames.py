@@ -41,6 +41,7 @@ class Frame:
     shard: str | None = None
     sharded_io: bool = False
     io_shard: str | None = None  # under sharded_io: the axis the caller's shards are on (returned on it)
+    handling: BaseException | None = None  # the exception being handled where the forward was called, if any
 
 
 class sharded_io:  # noqa: N801 - used as a context manager, like torch.no_grad

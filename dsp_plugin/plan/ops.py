@@ -58,12 +58,11 @@ def infer_grid(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], *
                group: Any = None) -> dict[str, int]:
     """``grid`` completed with the axes of ``x`` (at most one unknown axis per dim).
 
-    ``x`` is the full tensor, or with ``shard`` this rank's shard of that axis (whose global length is in ``grid``).
+    ``x`` is the full tensor, or with ``shard`` this rank's shard of that axis (whose global length is in ``grid``);
+    only then is ``group`` asked for this rank's place (a full tensor needs no group).
     """
-    n, rank = group_size(group), group_rank(group)
-
     def length(a: str) -> int:
-        return chunk_sizes(out[a], n)[rank] if a == shard else out[a]
+        return chunk_sizes(out[a], group_size(group))[group_rank(group)] if a == shard else out[a]
 
     if x.dim() != len(lay.dims):
         raise ValueError(f"{where}: expected a {len(lay.dims)}-dim tensor in layout '{lay}', got shape "

@@ -25,23 +25,37 @@ decision, are kept on the same input object), so no frame is needed in backward.
 
 from __future__ import annotations
 
+import copy
+import functools
+import sys
 from typing import Any
 
 import torch
 from torch import nn
 
-from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+from dsp_plugin import every_gradient, failures
 from dsp_plugin import layout as carrier
+from dsp_plugin.comm import agree_inputs, chunk_sizes, group_rank, group_size
+from dsp_plugin.comm.group_resolution import _resolve_group
 from dsp_plugin.plan import dispatch, ops, recompute
 from dsp_plugin.plan.args import Args as _Args
-from dsp_plugin.plan.args import expand, map_tensors as _map_tensors, tensors as _tensors
-from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
-from dsp_plugin.plan.placement import complete as _complete, is_full as _is_full, split_rows as _split_rows
+from dsp_plugin.plan.args import expand
+from dsp_plugin.plan.args import map_tensors as _map_tensors
+from dsp_plugin.plan.args import tensors as _tensors
 from dsp_plugin.plan.attention import enter_heads, exit_heads
 from dsp_plugin.plan.frames import Frame, OnShard, current_block, current_io, frames, sharded_io
+from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
+from dsp_plugin.plan.placement import complete as _complete
+from dsp_plugin.plan.placement import is_full as _is_full
+from dsp_plugin.plan.placement import split_rows as _split_rows
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["apply_plan", "current_block", "expand", "remove_plan", "sharded_io"]
+__all__ = ["INPUT_HINT", "apply_plan", "current_block", "expand", "remove_plan", "sharded_io"]
+
+#: what a parallelized model's input mismatch (``checks.InputMismatch``) tells the user to do
+INPUT_HINT = ("Seed every rank alike before drawing inputs (torch.manual_seed, or a torch.Generator with the same "
+              "seed), give the ranks of a DSP group the same batches (dsp_plugin.dsp_dataloader), or, when the "
+              "inputs are this rank's shards on purpose, call the model under dsp_plugin.plan.sharded_io.")
 
 _ONSHARD_ATTR = "_dsp_plan_on_shard"
 
@@ -65,8 +79,11 @@ class _Runtime:
         a = _Args(module, args, kwargs)
         io = current_io()
         if io is not None:
-            frames().append(Frame(id(self), dict(io.axes), sharded_io=True))
+            frames().append(Frame(id(self), dict(io.axes), sharded_io=True, handling=sys.exc_info()[1]))
             return
+        if not any(isinstance(f, Frame) for f in frames()):  # replicated inputs (not a model inside another's)
+            agree_inputs(f"parallelize({type(module).__name__})", dict(a.bound.arguments),
+                         group=_resolve_group(self.group, "parallelize"), hint=INPUT_HINT)
         grid = {}
         for axis, (name, dim) in self.grid.axes.items():
             value = a.get(name)
@@ -74,79 +91,93 @@ class _Runtime:
                 raise ValueError(f"parallelize: the plan's Grid reads {axis} from argument {name!r}, which is "
                                  f"{type(value).__name__}; expected a tensor")
             grid[axis] = value.shape[dim]
-        frames().append(Frame(id(self), grid))
+        frames().append(Frame(id(self), grid, handling=sys.exc_info()[1]))
 
     def root_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         stack = frames()
         frame = self.frame()
         if frame is not None:
             stack.remove(frame)
+        error = sys.exc_info()[1]   # always called: the forward raised on this rank (maybe alone)
+        if error is not None and (frame is None or error is not frame.handling):
+            failures.post(error)    # before its process exits, for the peers waiting in a collective
+            return output
         if output is None or (frame is not None and frame.sharded_io):
             return output
         n = group_size(self.group)
         return _map_tensors(output, lambda t: ops.scale_grad(t, 1.0 / n))
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Runtime:
+        """The runtime of a deep copy of the model (an EMA copy): the copy's modules, the same plan and group.
+
+        The hooks are ``_Hook`` objects holding their runtime, so copying the model's hook dicts
+        copies them onto this runtime; the plan's specs are immutable and the process group is shared.
+        """
+        new = _Runtime.__new__(_Runtime)
+        memo[id(self)] = new
+        new.plan, new.group, new.grid = self.plan, self.group, self.grid
+        new.model = copy.deepcopy(self.model, memo)
+        new.entries = [(path, copy.deepcopy(module, memo), specs) for path, module, specs in self.entries]
+        new.handles = copy.deepcopy(self.handles, memo)
+        return new
+
     # -- per-module hooks -----------------------------------------------------
-    def pre(self, path: str, specs: list[Any]):  # noqa: ANN202
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            a = _Args(module, args, kwargs)
-            originals = {spec.arg: a.get(spec.arg) for spec in specs if isinstance(spec, OnShard)}
-            for spec in specs:
-                if isinstance(spec, Split) and spec.arg != "out":
-                    where = f"{path}: Split({spec.arg!r})"
-                    try:
-                        value = a.get(spec.arg)
-                    except ValueError as exc:  # a path into something that is not a tuple
-                        raise ValueError(f"{where}: {exc}") from None
-                    if isinstance(value, (tuple, list)):  # RoPE's (cos, sin), Allegro's nested tables: each leaf
-                        a.set(spec.arg, _map_tensors(value, lambda t, w=where, s=spec: self.split(w, t, s)))
-                    elif value is not None:  # an optional input the caller left out stays out
-                        a.set(spec.arg, self.split(where, value, spec))
-                elif isinstance(spec, Block):
-                    self.block_pre(path, a, spec)
-                elif isinstance(spec, Heads):
-                    dispatch.install()  # a backend registered after parallelize is wrapped too
-                    enter_heads(path, self.group, spec.joint)
-                elif isinstance(spec, Gather) and spec.arg != "out":
-                    a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
-                elif isinstance(spec, OnShard):
-                    self.on_shard(path, a, spec, originals[spec.arg])
-                elif isinstance(spec, Positions):
-                    frame = self.frame()
-                    x = a.get(spec.arg)
-                    if frame is not None and frame.sharded_io and isinstance(x, torch.Tensor):
-                        shape = [frame.grid[spec.dims[d]] if d in spec.dims else x.shape[d] for d in range(x.dim())]
-                        a.set(spec.arg, x.new_zeros(()).expand(shape))  # the global shape, no memory
-            return a.out()
+    def pre(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...],
+            kwargs: dict[str, Any]) -> Any:
+        a = _Args(module, args, kwargs)
+        originals = {spec.arg: a.get(spec.arg) for spec in specs if isinstance(spec, OnShard)}
+        for spec in specs:
+            if isinstance(spec, Split) and spec.arg != "out":
+                where = f"{path}: Split({spec.arg!r})"
+                try:
+                    value = a.get(spec.arg)
+                except ValueError as exc:  # a path into something that is not a tuple
+                    raise ValueError(f"{where}: {exc}") from None
+                if isinstance(value, (tuple, list)):  # RoPE's (cos, sin), Allegro's nested tables: each leaf
+                    a.set(spec.arg, _map_tensors(value, lambda t, w=where, s=spec: self.split(w, t, s)))
+                elif value is not None:  # an optional input the caller left out stays out
+                    a.set(spec.arg, self.split(where, value, spec))
+            elif isinstance(spec, Block):
+                self.block_pre(path, a, spec)
+            elif isinstance(spec, Heads):
+                dispatch.install()  # a backend registered after parallelize is wrapped too
+                enter_heads(path, self.group, spec.joint)
+            elif isinstance(spec, Gather) and spec.arg != "out":
+                a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
+            elif isinstance(spec, OnShard):
+                self.on_shard(path, a, spec, originals[spec.arg])
+            elif isinstance(spec, Positions):
+                frame = self.frame()
+                x = a.get(spec.arg)
+                if frame is not None and frame.sharded_io and isinstance(x, torch.Tensor):
+                    shape = [frame.grid[spec.dims[d]] if d in spec.dims else x.shape[d] for d in range(x.dim())]
+                    a.set(spec.arg, x.new_zeros(()).expand(shape))  # the global shape, no memory
+        return a.out()
 
-        return hook
-
-    def post(self, path: str, specs: list[Any]):  # noqa: ANN202
-        def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> Any:
-            # inside out, whatever the plan's order: the head switch's call closes, then the block (which tags
-            # its activation), then the module's output is split or gathered
-            error: Exception | None = None
-            for spec in reversed(specs):
-                if isinstance(spec, Heads):
-                    try:
-                        exit_heads()
-                    except RuntimeError as exc:  # raised after the other specs closed what they opened
-                        error = exc
-            for spec in reversed(specs):
-                if isinstance(spec, Block):
-                    output = self.block_post(path, spec, output)
-            for spec in specs:
-                if output is None:
-                    break
-                if isinstance(spec, Split) and spec.arg == "out":
-                    output = _map_tensors(output, lambda t, s=spec: self.split(f"{path}: Split('out')", t, s))
-                elif isinstance(spec, Gather) and spec.arg == "out":
-                    output = self.gather_out(f"{path}: Gather('out')", output, spec)
-            if error is not None:
-                raise error
-            return output
-
-        return hook
+    def post(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+             output: Any) -> Any:
+        # inside out, whatever the plan's order: the head switch's call closes, then the block (which tags
+        # its activation), then the module's output is split or gathered
+        error: Exception | None = None
+        for spec in reversed(specs):
+            if isinstance(spec, Heads):
+                try:
+                    exit_heads()
+                except RuntimeError as exc:  # raised after the other specs closed what they opened
+                    error = exc
+        for spec in reversed(specs):
+            if isinstance(spec, Block):
+                output = self.block_post(path, spec, output)
+        for spec in specs:
+            if output is None:
+                break
+            if isinstance(spec, Split) and spec.arg == "out":
+                output = _map_tensors(output, lambda t, s=spec: self.split(f"{path}: Split('out')", t, s))
+            elif isinstance(spec, Gather) and spec.arg == "out":
+                output = self.gather_out(f"{path}: Gather('out')", output, spec)
+        if error is not None:
+            raise error
+        return output
 
     def gather_out(self, where: str, output: Any, spec: Gather) -> Any:
         """A module's output gathered: every tensor of it that carries a shard tag in the layout, or, if none
@@ -168,7 +199,7 @@ class _Runtime:
         # a recompute under activation checkpointing runs this hook again on the same input, in backward,
         # where no frame is open: the grid is kept on the replicated input itself
         known = frame.grid if frame is not None else carrier.noted(x, _GRID_ATTR, {})
-        grid = ops.infer_grid(where, x, spec.layout, known)
+        grid = ops.infer_grid(where, x, spec.layout, known, group=self.group)
         carrier.note(x, _GRID_ATTR, grid)
         if frame is not None:
             frame.grid, frame.shard = grid, spec.shard
@@ -265,6 +296,24 @@ class _Runtime:
         return (first, *output[1:]) if isinstance(output, tuple) else first
 
 
+class _Hook:
+    """One module's plan hook: ``runtime.pre`` or ``runtime.post`` for ``path``'s specs.
+
+    An object, not a closure, so ``copy.deepcopy`` of the model (an EMA copy) gives the copy's
+    modules hooks on the copy's runtime (``_Runtime.__deepcopy__``); a closure would be shared
+    and run the copy's modules in the original's frames.
+    """
+
+    def __init__(self, runtime: _Runtime, kind: str, path: str, specs: list[Any]) -> None:
+        self.runtime, self.kind, self.path, self.specs = runtime, kind, path, specs
+
+    def __call__(self, module: nn.Module, *args: Any) -> Any:
+        return getattr(self.runtime, self.kind)(self.path, self.specs, module, *args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return _Hook(copy.deepcopy(self.runtime, memo), self.kind, self.path, self.specs)
+
+
 def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None) -> nn.Module:
     """Register ``plan``'s hooks on ``model`` (in place) and return it."""
     if getattr(model, "_dsp_plan_runtime", None) is not None:
@@ -279,12 +328,28 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None) -> nn.
         specs = [s for s in specs if not isinstance(s, Grid)]
         if not specs:
             continue
-        rt.handles.append(module.register_forward_pre_hook(rt.pre(path, specs), with_kwargs=True))
-        rt.handles.append(module.register_forward_hook(rt.post(path, specs), with_kwargs=True, always_call=True))
+        rt.handles.append(module.register_forward_pre_hook(_Hook(rt, "pre", path, specs), with_kwargs=True))
+        rt.handles.append(module.register_forward_hook(_Hook(rt, "post", path, specs), with_kwargs=True,
+                                                       always_call=True))
     # the model's own post-hook last: it closes the frame after every module hook ran
     rt.handles.append(model.register_forward_hook(rt.root_post, with_kwargs=True, always_call=True))
+    # a parameter some ranks use and others not gets a (zero) gradient on every rank (DDP, ZeRO)
+    rt.handles.extend(every_gradient.install(model, group=functools.partial(_gradient_group, group)))
     model._dsp_plan_runtime = rt
     return model
+
+
+def _gradient_group(group: Any) -> Any:
+    """The ranks whose frameworks reduce this model's gradients: the plan's group if given, else the
+    installed topology's DP x DSP group (else the DSP group of ``group=None``, which refuses without one)."""
+    if group is not None:
+        return group
+    from dsp_plugin.topology import get_topology
+
+    topology = get_topology()
+    if topology is not None and topology.dp_dsp_group is not None:
+        return topology.dp_dsp_group
+    return _resolve_group(None, "parallelize")
 
 
 def remove_plan(model: nn.Module) -> nn.Module:

@@ -2,8 +2,8 @@
 
 Among the sequence dims a block does not attend, switch to the one whose next use is furthest away
 (Belady's rule). For spatial/temporal blocks that is simply the other dim: one switch per block, two
-per layer. With three axes it saves a switch every other block. Both the reference STDiT's built-in
-plan (``dsp_plugin.plan.builtin.stdit_plan``) and ``dsp_plugin.models.plan`` build on it.
+per layer. With three axes it saves a switch every other block. The reference STDiT's built-in
+plan (``dsp_plugin.plan.builtin.stdit_plan``) builds on it.
 """
 
 from __future__ import annotations
