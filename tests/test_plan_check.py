@@ -1,5 +1,6 @@
 """``python -m dsp_plugin.plan.check``, as a user runs it: a good plan exits 0, a wrong-axis plan exits 1 naming
-the first module whose output differs, a bad argument exits 2 before anything is spawned."""
+the first module whose output differs, a bad argument exits 2 before anything is spawned. The first two are
+docs/models.md's two lines, run as printed."""
 
 from __future__ import annotations
 
