@@ -119,8 +119,9 @@ def _fmt(x: float | None) -> str:
 
 def report(results: list[Result], rtol: float, title: str) -> tuple[list[str], str | None]:
     """(lines to print, the verdict line if something differs) from every rank's result."""
-    lines = [title, f"{'module':<36} {'specs':<22} {'calls':>5}  {'forward':<28} {'backward':<28} "
-                    f"{'output':>8} {'grads':>8}"]
+    header = (f"{'module':<36} {'specs':<22} {'calls':>5}  {'forward':<28} {'backward':<28} "
+              f"{'output':>8} {'grads':>8}")
+    lines = [title, header]
     outputs, gradients = [], []
     for i, row in enumerate(results[0].modules):
         rows: list[ModuleResult] = [r.modules[i] for r in results]
