@@ -163,3 +163,18 @@ def test_builtin_video_plans_equal_one_process(n: int) -> None:
             switches = HEAD_SWITCHES[name]
             assert (d["fwd_all_to_all"], d["bwd_all_to_all"]) == (2 * switches, 2 * switches), (name, d)
             assert (d["fwd_all_gather"], d["other"]) == (1, 0), (name, d)
+
+
+def test_hunyuan_video_token_replace_is_refused_naming_why() -> None:
+    """HunyuanVideo I2V (``image_condition_type="token_replace"``) modulates its blocks' first tokens by position:
+    on a shard, every rank's own first tokens. The built-in plan refuses it at ``parallelize``, before any
+    collective (no process group here)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=3, attention_head_dim=12, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(4, 4, 4), image_condition_type="token_replace")
+    with pytest.raises(ValueError, match=r"image_condition_type='token_replace'.*first_frame_num_tokens.*expected "
+                                         r"image_condition_type None or 'latent_concat'"):
+        dsp_plugin.parallelize(model)
