@@ -185,6 +185,9 @@ RULES: list[Rule] = [
          r"--recompute full$", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),), expect="fits", timeout=600),
     Rule(r"dsp_plugin\.plan\.dryrun", "check", "the line above runs the 14B dry run; tests/test_dryrun.py runs the "
          "same code on tiny configs against real gloo steps (a 14B sweep takes minutes)"),
+    Rule(r"dsp_plugin\.plan\.check( --model tiny-latte|$)", "covered",
+         tests=("tests/test_plan_check.py::test_good_plan_exits_zero",
+                "tests/test_plan_check.py::test_wrong_axis_plan_exits_nonzero_naming_the_module")),
     Rule(r"dsp_plugin\.bench\.published", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),),
          expect="Wan 2.1 14B"),
     # ---- core, data, accounting -------------------------------------------------------------------------------

@@ -93,3 +93,88 @@ def test_parallelize_equals_unmodified_model(name: str, n: int) -> None:
         # Latte one switch after each of its two blocks; the exit is one all_gather, the entry none
         assert d["fwd_all_to_all"] == 2 * LAYERS, d
         assert d["fwd_all_gather"] == 1, d
+
+
+# The video DiTs of dsp_plugin.testing.tiny_video, found by class with no plan given. Each case: 3 heads (on 4 ranks
+# one rank holds none), 2 samples, 45 video tokens (41 for Framepack's history + new frames; 54 for SkyReels-V2's
+# causal blocks), uneven on 2 and 4 ranks; padded text of different lengths per sample where the model takes a mask.
+VIDEO = ["tiny-hunyuan-video", "tiny-ltx-video", "tiny-ltx-video-per-token", "tiny-mochi", "tiny-skyreels-v2",
+         "tiny-skyreels-v2-df", "tiny-skyreels-v2-causal", "tiny-easyanimate", "tiny-allegro", "tiny-consisid",
+         "tiny-framepack"]
+# Relative to the largest one-process value. fp64 models agree to rounding of the summation order over ranks
+# (~1e-16). Where the model computes in fp32 whatever the dtype, that rounding is fp32's: Mochi (its norms and RoPE,
+# ``.to(torch.float32)``), SkyReels-V2 (Wan's fp32 adaLN modulation), EasyAnimate (``apply_rotary_emb`` casts to
+# fp32), ConsisID (its perceiver's fp32 softmax): measured up to 1.3e-7.
+FP32_INSIDE = ("tiny-mochi", "tiny-skyreels-v2", "tiny-easyanimate", "tiny-consisid")
+# attention modules under Heads per case (2 layers; HunyuanVideo, Framepack: 1 double- and 1 single-stream block);
+# Mochi attends once per sample (its processor loops over the batch of 2): 2 head switches each
+HEAD_SWITCHES = {name: 4 if name == "tiny-mochi" else 2 for name in VIDEO}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a - b).abs().max().item() / b.abs().max().item()
+
+
+def _video(rank: int, n: int) -> dict[str, dict[str, float]]:
+    from dsp_plugin.testing.tiny_video import case
+
+    result = {}
+    for name in VIDEO:
+        reference, kwargs = case(name, torch.float64)
+        model = dsp_plugin.parallelize(copy.deepcopy(reference))  # no plan: the built-in one for its class
+        weight = None
+        runs = []
+        for m in (reference, model):
+            x = kwargs["hidden_states"].clone().requires_grad_(True)
+            with CommAccounting(activations=False) as acct:
+                out = m(**{**kwargs, "hidden_states": x}, return_dict=False)[0]
+                if weight is None:
+                    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=out.dtype)
+                (out * weight).sum().backward()
+            runs.append((out.detach(), x.grad, acct))
+        (out_ref, dx_ref, _), (out, dx, acct) = runs
+        reduce_gradients(model.parameters())
+        dist.all_reduce(dx)
+        grads = {k: (p.grad, q.grad) for (k, p), q in zip(model.named_parameters(), reference.parameters())}
+        missing = [k for k, (g, r) in grads.items() if (g is None) != (r is None)]
+        assert not missing, f"{name}: gradients present on one side only: {missing}"
+        pairs = [(g, r) for g, r in grads.values() if r is not None]
+        result[name] = {"out": _relative(out, out_ref), "dx": _relative(dx, dx_ref),
+                        "grads": max((g - r).abs().max().item() for g, r in pairs)
+                        / max(r.abs().max().item() for _, r in pairs),
+                        "fwd_all_to_all": acct.count("all_to_all", "forward"),
+                        "bwd_all_to_all": acct.count("all_to_all", "backward"),
+                        "fwd_all_gather": acct.count("all_gather", "forward"),
+                        "other": acct.count() - acct.count("all_to_all") - acct.count("all_gather", "forward")}
+    return result
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_builtin_video_plans_equal_one_process(n: int) -> None:
+    """One spawn per N looping over the models: output, input gradient and every parameter gradient (summed)."""
+    for rank, by_name in enumerate(run_distributed(_video, n, timeout=600)):
+        for name, d in by_name.items():
+            print(f"{name} n={n} rank {rank}: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items()))
+            tol = 1e-6 if name.startswith(FP32_INSIDE) else 1e-12
+            for key in ("out", "dx", "grads"):
+                assert d[key] < tol, f"{name} rank {rank}/{n}: {key} {d[key]:.3g} (relative)"
+            # per attention: one all-to-all to heads and one back (the text joins inside them), the adjoints the
+            # same in backward; one all_gather at exit, its adjoint local; nothing else
+            switches = HEAD_SWITCHES[name]
+            assert (d["fwd_all_to_all"], d["bwd_all_to_all"]) == (2 * switches, 2 * switches), (name, d)
+            assert (d["fwd_all_gather"], d["other"]) == (1, 0), (name, d)
+
+
+def test_hunyuan_video_token_replace_is_refused_naming_why() -> None:
+    """HunyuanVideo I2V (``image_condition_type="token_replace"``) modulates its blocks' first tokens by position:
+    on a shard, every rank's own first tokens. The built-in plan refuses it at ``parallelize``, before any
+    collective (no process group here)."""
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=3, attention_head_dim=12, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1,
+        text_embed_dim=16, pooled_projection_dim=8, rope_axes_dim=(4, 4, 4), image_condition_type="token_replace")
+    with pytest.raises(ValueError, match=r"image_condition_type='token_replace'.*first_frame_num_tokens.*expected "
+                                         r"image_condition_type None or 'latent_concat'"):
+        dsp_plugin.parallelize(model)

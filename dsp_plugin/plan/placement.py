@@ -58,20 +58,26 @@ def is_full(x: torch.Tensor, spec: Split, grid: dict[str, int]) -> bool:
 
 
 def split_rows(where: str, c: torch.Tensor, rows: Any, grid: dict[str, int], shard: str, group: Any) -> Any:
-    """Per-row conditioning for the global rows -> this rank's rows; rows already local are kept.
+    """Conditioning that follows the activation -> this rank's part; the per-sample form and local rows are kept.
 
-    A model fed shards (``sharded_io``) repeats its conditioning by its *local* length (Latte's
+    ``rows`` lays out the leading dims of ``c``; the dim holding ``shard`` is split (``"(B T)"``: Latte's rows,
+    ``"B J L K"``: SkyReels-V2's per-token modulation). ``c`` with fewer dims than ``rows``, or with length 1 on
+    that dim, is the per-sample form the model broadcasts (SkyReels-V2's ``[B, 6, D]``, LTX-Video's ``[B, 1, 6D]``):
+    left whole. A model fed shards (``sharded_io``) repeats its conditioning by its *local* length (Latte's
     ``timestep.repeat_interleave(num_frame)``): those rows are this rank's already.
     """
-    names = rows.dims[0]
+    d = rows.dim_of(shard)
+    names = rows.dims[d]
     n, rank = group_size(group), group_rank(group)
     lengths = [grid[a] for a in names]
     local = [chunk_sizes(grid[a], n)[rank] if a == shard else grid[a] for a in names]
-    if n > 1 and c.shape[0] == math.prod(local):
+    if c.dim() < len(rows.dims) or (c.shape[d] == 1 and math.prod(lengths) > 1):
         return c
-    if c.shape[0] != math.prod(lengths):
-        raise ValueError(f"{where}: {c.shape[0]} rows, expected {' * '.join(names)} = {lengths} (the global "
-                         f"rows) or {local} (this rank's, sharded on {shard!r})")
-    u = c.reshape(*lengths, *c.shape[1:])
-    local = ops.partial_split(where, u, names.index(shard), group)
-    return local.reshape(-1, *c.shape[1:])
+    if n > 1 and c.shape[d] == math.prod(local):
+        return c
+    if c.shape[d] != math.prod(lengths):
+        raise ValueError(f"{where}: {c.shape[d]} rows on dim {d}, expected {' * '.join(names)} = {lengths} (the "
+                         f"global rows), {local} (this rank's, sharded on {shard!r}) or 1 (one for every row)")
+    u = c.unflatten(d, lengths)
+    local_rows = ops.partial_split(where, u, d + names.index(shard), group)
+    return local_rows.flatten(d, d + len(names) - 1)

@@ -252,7 +252,7 @@ class _Runtime:
         a.set(spec.arg, x)
         for name, rows in spec.follow.items():
             c = a.get(name)
-            if isinstance(c, torch.Tensor) and shard in rows.dims[0]:
+            if isinstance(c, torch.Tensor) and shard in rows.axes:
                 a.set(name, _split_rows(f"{path}: follow {name!r}", c, rows, grid, shard, self.group))
         frames().append(("block", spec, grid, shard))
 

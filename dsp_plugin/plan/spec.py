@@ -136,9 +136,12 @@ class Block:
     to ``then`` (default: the next sequence axis of the layout) runs first.
     ``out_shard``: the axis the output must be sharded on when it leaves (the
     model's own reshapes after the block need it; a switch runs after the block).
-    ``follow``: per-row conditioning arguments ``{name: row layout}``, e.g.
-    ``{"timestep": "(B T)"}``: split with the activation when it is sharded on
-    an axis of that row layout.
+    ``follow``: conditioning arguments ``{name: layout of their leading dims}``,
+    e.g. ``{"timestep": "(B T)"}`` (a row per row of the activation) or
+    ``{"temb": "B J L K"}`` (a modulation per token): split with the activation
+    when it is sharded on an axis of that layout; a tensor with fewer dims than
+    the layout, or with length 1 on the sharded axis's dim, is the per-sample
+    form the model broadcasts and is left whole.
     """
 
     layout: str | Layout

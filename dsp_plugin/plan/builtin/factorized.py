@@ -1,7 +1,7 @@
-"""Built-in plans, found from the model's class name (or its ``_dsp_plan`` attribute).
+"""Built-in plans of the factorized models: Latte, SVD's spatio-temporal transformer, the reference STDiT.
 
-Each plan is the whole of what DSP needs to know about the model; the line count
-of each is reported in docs/models.md.
+Their blocks attend along one sequence axis at a time; the plans keep each
+block's activation sharded on an axis it does not mix and switch between blocks.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from typing import Any
 
 from dsp_plugin.plan.frames import OnShard
 from dsp_plugin.plan.schedule import switch_schedule
-from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
+from dsp_plugin.plan.spec import Block, Gather, Grid, Split
 
-__all__ = ["COGVIDEOX_PLAN", "LATTE_PLAN", "SVD_PLAN", "WAN_PLAN", "builtin_plan", "stdit_plan", "stdit_schedule"]
+__all__ = ["LATTE_PLAN", "SVD_PLAN", "stdit_plan", "stdit_schedule"]
 
 
 def _latte_temporal_positions(model: Any, x: Any, grid: dict[str, int], local: dict[str, int]) -> Any:
@@ -49,32 +49,6 @@ SVD_PLAN: dict[str, Any] = {
     "proj_out": Gather(0, "(B F) S D"),
 }
 
-# diffusers' WanTransformer3DModel: full 3D attention over the flattened [B, F*H*W, D] tokens (patch size 1 in
-# time). Shard whole frames of tokens at the first block (3D RoPE is computed for the global grid and split the
-# same way), self-attention through the head switch, text cross-attention local; gather after the output
-# projection. Whole frames keep the latents [B, C, F, H, W] shardable on F for sampling (sharded_io).
-WAN_PLAN: dict[str, Any] = {
-    "": Grid(F=("hidden_states", 2)),
-    "rope": [Positions("hidden_states", {2: "F"}), Split("out", "O (F HW) P Dr", shard="F")],
-    "blocks.0": Split("hidden_states", "B (F HW) D", shard="F"),
-    "blocks.*": Block("B (F HW) D", arg="hidden_states"),
-    "blocks.*.attn1": Heads(),
-    "proj_out": Gather("out", "B (F HW) D"),
-}
-
-# diffusers' CogVideoXTransformer3DModel: joint full attention over [text, video] (the processor concatenates the
-# text first). Split the flat video tokens at the first block (a flat split also fits CogVideoX 1.5's frames folded
-# by patch_size_t); the text stream stays whole on every rank (Heads(joint="first")); the 3D RoPE tables, a
-# (cos, sin) pair for the global video tokens passed in by the pipeline, split the same way (absent: left out);
-# gather before the final norm, after which the model unpatchifies with its global frame count.
-COGVIDEOX_PLAN: dict[str, Any] = {
-    "": Split("image_rotary_emb", "L K", shard="L"),
-    "transformer_blocks.0": Split("hidden_states", "B L D", shard="L"),
-    "transformer_blocks.*": Block("B L D", arg="hidden_states"),
-    "transformer_blocks.*.attn1": Heads(joint="first"),
-    "norm_final": Gather(0, "B L D"),
-}
-
 
 def _stdit_blocks(model: Any) -> tuple[tuple[str, ...], list[tuple[str, tuple[int, int] | None]]]:
     axes = ("T", "S") if model.config.axes == 2 else ("T", "H", "W")
@@ -101,18 +75,3 @@ def stdit_schedule(model: Any) -> list[str]:
     return [f"blocks.{i} (attends {attends}): " + (f"switch {axes[s[0] - 1]} -> {axes[s[1] - 1]}" if s else "local")
             for i, (attends, s) in enumerate(blocks)]
 
-
-_BY_CLASS = {"LatteTransformer3DModel": LATTE_PLAN, "TransformerSpatioTemporalModel": SVD_PLAN,
-             "WanTransformer3DModel": WAN_PLAN, "CogVideoXTransformer3DModel": COGVIDEOX_PLAN, "STDiT": stdit_plan}
-
-
-def builtin_plan(model: Any) -> Any:
-    """The plan for ``model``: its ``_dsp_plan``, else the built-in one for its class, else None."""
-    own = getattr(model, "_dsp_plan", None)
-    if own is not None:
-        return own
-    for cls in type(model).__mro__:
-        if cls.__name__ in _BY_CLASS:
-            plan = _BY_CLASS[cls.__name__]
-            return plan(model) if callable(plan) else plan
-    return None

@@ -1,0 +1,57 @@
+"""Built-in plans, found from the model's class name (or its ``_dsp_plan`` attribute).
+
+Each plan is the whole of what DSP needs to know about the model; the line count
+of each is reported in docs/models.md. By family: ``factorized`` (Latte, SVD, the
+reference STDiT), ``cross_attention`` (Wan, SkyReels-V2, LTX-Video, Allegro) and
+``joint_attention`` (CogVideoX, ConsisID, EasyAnimate, HunyuanVideo, Framepack,
+Mochi). A plan given as a function is called with the model (its paths depend on
+the model's depth, or it refuses a configuration it cannot serve).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsp_plugin.plan.builtin.cross_attention import ALLEGRO_PLAN, LTX_VIDEO_PLAN, SKYREELS_V2_PLAN, WAN_PLAN
+from dsp_plugin.plan.builtin.factorized import LATTE_PLAN, SVD_PLAN, stdit_plan, stdit_schedule
+from dsp_plugin.plan.builtin.joint_attention import (
+    COGVIDEOX_PLAN,
+    EASYANIMATE_PLAN,
+    HUNYUAN_VIDEO_PLAN,
+    MOCHI_PLAN,
+    consisid_plan,
+    framepack_plan,
+    hunyuan_video_plan,
+)
+
+__all__ = ["ALLEGRO_PLAN", "BY_CLASS", "COGVIDEOX_PLAN", "EASYANIMATE_PLAN", "HUNYUAN_VIDEO_PLAN", "LATTE_PLAN",
+           "LTX_VIDEO_PLAN", "MOCHI_PLAN", "SKYREELS_V2_PLAN", "SVD_PLAN", "WAN_PLAN", "builtin_plan",
+           "consisid_plan", "framepack_plan", "hunyuan_video_plan", "stdit_plan", "stdit_schedule"]
+
+BY_CLASS: dict[str, Any] = {
+    "LatteTransformer3DModel": LATTE_PLAN,
+    "TransformerSpatioTemporalModel": SVD_PLAN,
+    "STDiT": stdit_plan,
+    "WanTransformer3DModel": WAN_PLAN,
+    "SkyReelsV2Transformer3DModel": SKYREELS_V2_PLAN,
+    "LTXVideoTransformer3DModel": LTX_VIDEO_PLAN,
+    "AllegroTransformer3DModel": ALLEGRO_PLAN,
+    "CogVideoXTransformer3DModel": COGVIDEOX_PLAN,
+    "ConsisIDTransformer3DModel": consisid_plan,
+    "EasyAnimateTransformer3DModel": EASYANIMATE_PLAN,
+    "HunyuanVideoTransformer3DModel": hunyuan_video_plan,
+    "HunyuanVideoFramepackTransformer3DModel": framepack_plan,
+    "MochiTransformer3DModel": MOCHI_PLAN,
+}
+
+
+def builtin_plan(model: Any) -> Any:
+    """The plan for ``model``: its ``_dsp_plan``, else the built-in one for its class, else None."""
+    own = getattr(model, "_dsp_plan", None)
+    if own is not None:
+        return own
+    for cls in type(model).__mro__:
+        if cls.__name__ in BY_CLASS:
+            plan = BY_CLASS[cls.__name__]
+            return plan(model) if callable(plan) else plan
+    return None
