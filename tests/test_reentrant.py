@@ -13,8 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from dsp_plugin import dynamic_switch, gather, reduce_gradients, split
-from dsp_plugin import parallelize
+from dsp_plugin import dynamic_switch, gather, parallelize, reduce_gradients, split
 from dsp_plugin.models import STDiT, STDiTConfig
 from dsp_plugin.plan.builtin import stdit_plan
 from tests.distributed import run_distributed

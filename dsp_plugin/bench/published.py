@@ -14,9 +14,11 @@ import argparse
 from dataclasses import dataclass, replace
 
 from dsp_plugin.bench import params
-from dsp_plugin.bench.full3d_model import METHODS, WAN_14B, predict as predict_full3d
+from dsp_plugin.bench.full3d_model import METHODS, WAN_14B
+from dsp_plugin.bench.full3d_model import predict as predict_full3d
 from dsp_plugin.bench.params import Hardware
-from dsp_plugin.bench.scale_model import INFERENCE, predict as predict_stdit
+from dsp_plugin.bench.scale_model import INFERENCE
+from dsp_plugin.bench.scale_model import predict as predict_stdit
 from dsp_plugin.bench.scale_report import e2e_rows
 
 __all__ = ["H800", "Row", "main", "rows", "wan_rows"]

@@ -34,7 +34,8 @@ def no_topology_message(name: str) -> str:
 
 
 class NoProcessGroupError(NoTopologyError):
-    """Started as one of several processes (torchrun's ``WORLD_SIZE``) with no process group: raised alike on every rank."""
+    """Started as one of several processes (torchrun's ``WORLD_SIZE``) with no process group: raised alike on
+    every rank."""
 
 
 def check_launched_alone(name: str) -> None:

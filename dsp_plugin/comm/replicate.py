@@ -14,8 +14,9 @@ Forward is the identity (no communication); backward is one all_reduce (sum) ove
 itself differentiable, so ``create_graph=True`` and a second backward work: the summed gradient
 is a replicated result, counted once like the model's own replicated outputs (a penalty every
 rank computes from it gets 1/N of its gradient on each rank), so a gradient penalty summed over
-the group by ``reduce_gradients`` trains like one process. The primitives' own convention differs: ``split``'s backward gathers, so an
-input given to ``split`` already has the full gradient on every rank (docs/concepts.md).
+the group by ``reduce_gradients`` trains like one process. The primitives' own convention differs:
+``split``'s backward gathers, so an input given to ``split`` already has the full gradient on every
+rank (docs/concepts.md).
 """
 
 from __future__ import annotations
