@@ -47,6 +47,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from torch.utils.hooks import RemovableHandle
@@ -160,7 +161,11 @@ class _State:
         mode.reached(output)
         group = self.resolved()
         counts = torch.tensor(mode.used, dtype=torch.int64)
-        all_reduce_sum(counts, group=group)
+        with checks.exchanging():  # agreement, like the checks' exchanges: kept out of the model's traffic counts
+            all_reduce_sum(counts, group=group)
+        if is_fake(counts):  # the dry run (plan/dryrun.py): one forward on fake tensors, nothing to read
+            self.late = set()
+            return
         n = _size(group)
         self.late = {i for i, c in enumerate(counts.tolist()) if (self.unused or c > 0) and c < n}
 

@@ -84,7 +84,8 @@ def exchange_words(words: list[int], *, group: dist.ProcessGroup, device: torch.
 def _exchange_device(x: object, group: dist.ProcessGroup) -> torch.device:
     if isinstance(x, torch.Tensor) and x.device.type != "meta":
         return x.device
-    if dist.get_backend(group) == "nccl":
+    backend = dist.get_backend(group)  # torch's fake backend stands in for NCCL where CUDA is (backend.py)
+    if backend == "nccl" or (backend == "fake" and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -151,8 +152,8 @@ def agree_inputs(name: str, values: dict[str, object], *, group: dist.ProcessGro
     if not (checks.check_mode() != "off" if every_call else checks.needs_check_for(key)):
         return
     words, labels = checks.input_words(values)
-    first = next((v for v in values.values() if isinstance(v, torch.Tensor)), None)
-    table = exchange_words(words, group=group, device=_exchange_device(first, group))
+    # the group's device, not an input's: a CPU input (a timestep, a generator's state) under NCCL is refused
+    table = exchange_words(words, group=group, device=_exchange_device(None, group))
     foreign = [r for r, row in zip(ranks, table) if row[0] != checks.INPUTS_MAGIC]
     if foreign:
         raise checks.CrossRankMismatch(f"{name}: rank(s) {foreign} of group {ranks} are in another collective "
