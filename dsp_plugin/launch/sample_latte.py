@@ -97,9 +97,10 @@ def sample(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
 
     marks: list[tuple[float, int]] = []
     with CommAccounting(activations=False) as acct:
-        def on_step(i: int, t: object, shard: torch.Tensor) -> None:
+        def on_step(pipe: object, i: int, t: object, kwargs: dict) -> dict:
             runtime.synchronize(device)
             marks.append((time.perf_counter(), sum(r.bytes_sent for r in acct.records)))
+            return {}
 
         marks.append((time.perf_counter(), 0))
         frames = sampler(prompt_embeds=prompt, negative_prompt=None, negative_prompt_embeds=negative,
