@@ -156,6 +156,8 @@ RULES: list[Rule] = [
          expect="wrote"),
     Rule(r"dsp_plugin\.launch\.sample_latte", "check",
          "tests/test_sampling_launch.py runs these on 1, 2 and 4 processes"),
+    Rule(r"dsp_plugin\.launch\.sample\b|dsp-sample\b", "check",
+         "tests/test_sample_command.py runs torchrun on 2 processes (with and without --cfg-parallel) and --dsp 2"),
     Rule(r"docs/(models|inference)\.md:python", "covered",
          tests=("tests/test_adapters_docs.py::test_python_blocks_run",)),
     Rule(r"pytest -s tests/test_sampling_latte\.py", "covered", tests=("tests/test_sampling_latte.py",)),
@@ -249,7 +251,8 @@ def _help(script: str) -> str:
 _LAUNCHED = {"run_megatron.sh": "dsp_plugin.launch.pretrain_stdit",
              "run_deepspeed.sh": "dsp_plugin.launch.train_deepspeed",
              **{f"dsp_plugin.launch.{n}": f"dsp_plugin.launch.{n}"
-                for n in ("train_deepspeed", "sample_latte", "train_dsp", "pretrain_stdit")}}
+                for n in ("train_deepspeed", "sample_latte", "sample", "train_dsp", "pretrain_stdit")},
+             "dsp-sample": "dsp_plugin.launch.sample"}
 _ENV_READERS = {"DSP_CHECK": "dsp_plugin/checks.py", "DSP_BACKEND": "dsp_plugin/backend.py"}
 
 

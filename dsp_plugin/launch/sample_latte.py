@@ -1,4 +1,4 @@
-"""Sample a video with diffusers' LattePipeline on N processes, latents sharded over DSP.
+"""Per-step latency and bytes of sampling diffusers' LattePipeline on N processes (for a video: ``dsp-sample``).
 
     torchrun --nproc-per-node 4 -m dsp_plugin.launch.sample_latte --frames 7 --steps 4 --cfg-parallel --out video.pt
 
@@ -46,7 +46,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="torch.save the frames here (rank 0)")
     p.add_argument("--timeout", type=float, default=120,
                    help="seconds a collective may wait for a peer before every rank stops (default 120)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.out is not None and not args.out.endswith(".pt"):
+        p.error(f"--out {args.out}: this command writes a torch.save file; expected a .pt path "
+                f"(for a .mp4 or .gif: dsp-sample --model tiny-latte --output {args.out})")
+    return args
 
 
 @launch_main

@@ -15,10 +15,11 @@ callbacks and options) with a few of its parts intercepted for the duration of t
 
 The transformer is reached through a stand-in placed on the pipeline for the call (``object.__setattr__``, so
 the pipeline's config is untouched); everything else the pipeline reads from it is the model's own. The
-progress bar shows on rank 0 only. Every rank ends with the full video. The scheduler's step must be
-deterministic (DDIM with ``eta=0``, DPM-Solver, UniPC, Euler, ...): a stochastic step would draw noise of the
-shard's shape and the sample would depend on N. Each pipeline's class (``latte_sampler``, ``wan_sampler``)
-says which parts it intercepts; the entry checks of every call are in ``FrameShardedSampler.check_call``.
+progress bar is diffusers' own (rank 0 only, unless ``set_progress_bar_config(disable=False)``). Every rank
+ends with the full video. The scheduler's step must be deterministic (DDIM with ``eta=0``, DPM-Solver, UniPC,
+Euler, ...): a stochastic step would draw noise of the shard's shape and the sample would depend on N. Each
+pipeline's class (``latte_sampler``, ``wan_sampler``) says which parts it intercepts; the entry checks of
+every call are in ``FrameShardedSampler.check_call``.
 """
 
 from __future__ import annotations
@@ -166,12 +167,9 @@ class FrameShardedSampler:
                   for name in self.transformer_names if getattr(pipe, name, None) is not None]
         parts += self.decode_parts(frames)
         saved = [(obj, name, obj.__dict__.get(name, _MISSING)) for obj, name, _ in parts]
-        bar = dict(getattr(pipe, "_progress_bar_config", {}))
         try:
             for obj, name, value in parts:
                 object.__setattr__(obj, name, value)
-            if dist.is_initialized() and dist.get_rank() != 0:
-                pipe.set_progress_bar_config(**{**bar, "disable": True})
             yield
         finally:
             for obj, name, value in reversed(saved):
@@ -179,7 +177,6 @@ class FrameShardedSampler:
                     object.__delattr__(obj, name)
                 else:
                     object.__setattr__(obj, name, value)
-            pipe._progress_bar_config = bar
 
     # --- data movement -------------------------------------------------------------------------------
     def shard(self, full: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,53 @@
+"""The ``dsp_plugin`` logger: what our launches say, on rank 0 only unless a record asks for every rank.
+
+    from dsp_plugin.log import get_logger
+    log = get_logger(__name__)          # a child of "dsp_plugin"
+    log.info("wrote %s", path)          # printed by rank 0
+    log.warning("rank-local", extra={"all_ranks": True})   # printed by every rank, prefixed with its rank
+
+``setup()`` (called by the launches' mains) gives the ``dsp_plugin`` logger one stderr handler with the
+rank-0 filter; a user's own logging configuration is left alone otherwise (``setup`` adds nothing twice).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+__all__ = ["RankZeroFilter", "get_logger", "setup"]
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+class RankZeroFilter(logging.Filter):
+    """Lets records through on rank 0; on other ranks only those logged with ``extra={"all_ranks": True}``."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        rank = _rank()
+        record.rank_prefix = f"[rank {rank}] " if getattr(record, "all_ranks", False) else ""
+        return rank == 0 or getattr(record, "all_ranks", False)
+
+
+def get_logger(name: str = "dsp_plugin") -> logging.Logger:
+    return logging.getLogger(name if name.startswith("dsp_plugin") else f"dsp_plugin.{name}")
+
+
+def setup(level: int = logging.INFO) -> logging.Logger:
+    """One stderr handler on the ``dsp_plugin`` logger, with the rank-0 filter (idempotent)."""
+    logger = logging.getLogger("dsp_plugin")
+    if not any(getattr(h, "_dsp_plugin", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler._dsp_plugin = True  # type: ignore[attr-defined]
+        handler.addFilter(RankZeroFilter())
+        handler.setFormatter(logging.Formatter("%(rank_prefix)s%(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level)
+    return logger
