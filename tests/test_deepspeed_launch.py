@@ -93,8 +93,8 @@ def test_deepspeed_launcher_runs_the_script_unchanged(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bf16_zero3_through_run_deepspeed_sh(tmp_path: Path) -> None:
     losses = tmp_path / "losses.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2", DSP="2", ZERO="3", PRECISION="bf16", STEPS=str(STEPS),
-               PORT=str(_free_port()), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2", DSP="2", ZERO="3", PRECISION="bf16", ITERS=str(STEPS),
+               MASTER_PORT=str(_free_port()), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     result = subprocess.run(
         ["bash", "launch/run_deepspeed.sh", "--samples", str(SAMPLES), "--frames", str(FRAMES), "--size", str(SIZE),
          "--losses_json", str(losses)],

@@ -71,7 +71,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds a collective may wait for a peer before every rank stops (default 120)")
     parser = deepspeed.add_config_arguments(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.deepspeed_config is None:      # a pip install has no launch/: the example config ships in the package
+        args.deepspeed_config = str(Path(__file__).with_name("ds_config_dsp.json"))
+    return args
 
 
 def preflight(args: argparse.Namespace) -> None:
