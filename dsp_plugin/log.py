@@ -15,7 +15,10 @@ import logging
 import os
 import sys
 
-__all__ = ["RankZeroFilter", "get_logger", "setup"]
+__all__ = ["RankZeroFilter", "get_logger", "quiet_third_party", "setup"]
+
+#: the libraries whose deprecation notices and info logs would land inside our tables and logs
+THIRD_PARTY = ("torch", "deepspeed", "DeepSpeed", "diffusers", "transformers", "megatron", "accelerate")
 
 
 def _rank() -> int:
@@ -51,3 +54,16 @@ def setup(level: int = logging.INFO) -> logging.Logger:
         logger.propagate = False
     logger.setLevel(level)
     return logger
+
+
+def quiet_third_party() -> None:
+    """Keep third-party deprecation warnings and info logs out of our output (the benches' tables, the
+    launches' logs): FutureWarning, DeprecationWarning and UserWarning raised from their modules are ignored,
+    their loggers show errors only. Our own warnings, and theirs of other categories, still show."""
+    import warnings
+
+    pattern = "|".join(THIRD_PARTY)
+    for category in (FutureWarning, DeprecationWarning, UserWarning):
+        warnings.filterwarnings("ignore", category=category, module=rf"({pattern})(\.|$)")
+    for name in THIRD_PARTY:
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -4,8 +4,8 @@
 #   (STEPS and PORT: deprecated names of ITERS and MASTER_PORT, still read, with a warning)
 #   CONFIG=launch/ds_config_dsp.json
 #   HOSTFILE=hostfile (deepspeed launcher on several nodes: lines "node0 slots=8"; NPROC is per node)
-# e.g.  NPROC=4 DSP=2 ZERO=3 ./launch/run_deepspeed.sh --save_dir /tmp/ckpt --save_at 5
-#       NPROC=2 DSP=2 ZERO=3 PRECISION=bf16 ./launch/run_deepspeed.sh --losses_json /tmp/bf16.json
+# e.g.  NPROC=4 DSP=2 ZERO=3 ./launch/run_deepspeed.sh --save-dir /tmp/ckpt --save-at 5
+#       NPROC=2 DSP=2 ZERO=3 PRECISION=bf16 ./launch/run_deepspeed.sh --losses-json /tmp/bf16.json
 # (fp16 needs a GPU: DeepSpeed's CPU accelerator refuses it without mkldnn fp16.)
 # Extra arguments go to dsp_plugin/launch/train_deepspeed.py (e.g. --timeout 30: seconds a collective waits
 # for a dead or frozen peer, default 120). CPU + gloo unless DeepSpeed finds an accelerator.

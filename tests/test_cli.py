@@ -98,3 +98,32 @@ def test_memory_bench_refuses_empty_shards_up_front(capsys: pytest.CaptureFixtur
     assert exc.value.code == 2
     assert ("--frames 2 and --size 32 (256 patches a frame) leave a rank of --nproc 4 with no frame or patch; "
             "expected --frames >= 4" in capsys.readouterr().err)
+
+
+def test_old_flag_spellings_are_aliases_that_warn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """One flag style (hyphens) across our scripts; dsp-train-deepspeed's underscore flags still parse, and warn."""
+    pytest.importorskip("deepspeed")
+    from dsp_plugin.launch import cli, train_deepspeed
+
+    argv = ["--save_dir", str(tmp_path), "--losses-json", "l.json", "--load_dir=x"]
+    monkeypatch.setattr(sys, "argv", ["dsp-train-deepspeed", *argv])
+    args = train_deepspeed.parse_args()
+    assert (args.save_dir, args.losses_json, args.load_dir) == (str(tmp_path), "l.json", "x")
+    said = cli.warn_renamed("dsp_plugin.launch.train_deepspeed", argv, train_deepspeed.RENAMED)
+    assert said == ["dsp_plugin.launch.train_deepspeed: --save_dir is deprecated; use --save-dir",
+                    "dsp_plugin.launch.train_deepspeed: --load_dir is deprecated; use --load-dir"], said
+
+
+def test_quiet_third_party_keeps_their_notices_out_and_ours_in() -> None:
+    code = r"""
+import logging, warnings
+from dsp_plugin.log import quiet_third_party
+quiet_third_party()
+with warnings.catch_warnings(record=True) as seen:
+    warnings.warn_explicit("theirs", FutureWarning, "c10d_logger.py", 1, module="torch.distributed.c10d_logger")
+    warnings.warn_explicit("ours", FutureWarning, "x.py", 1, module="dsp_plugin.x")
+print([str(w.message) for w in seen], logging.getLogger("diffusers").getEffectiveLevel() == logging.ERROR)
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.stdout.strip() == "['ours'] True", done.stdout + done.stderr

@@ -40,8 +40,11 @@ def _worker(rank: int, n: int, shape: dict[str, int]) -> int:
     from dsp_plugin import parallelize
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.backend import current_device
+    from dsp_plugin.log import quiet_third_party
     from dsp_plugin.models import STDiT, STDiTConfig
     from dsp_plugin.topology import Topology, set_topology
+
+    quiet_third_party()                 # third-party notices stay out of the tables
 
     set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)
     device = current_device()

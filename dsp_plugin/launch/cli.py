@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import sys
 
-__all__ = ["SCRIPTS", "missing_extra", "require_extra"]
+__all__ = ["SCRIPTS", "missing_extra", "require_extra", "warn_renamed"]
 
 #: console script -> (module:function, extra, modules the launch imports at the top)
 SCRIPTS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
@@ -48,6 +48,22 @@ def require_extra(prog: str) -> None:
     if message is not None:
         print(message, file=sys.stderr)
         raise SystemExit(2)
+
+
+def warn_renamed(prog: str, argv: list[str], renamed: dict[str, str]) -> list[str]:
+    """Warn (rank 0, the ``dsp_plugin`` logger) for each old flag spelling in ``argv``; return the warnings.
+
+    One flag style across our scripts: hyphens, as torchrun's and Megatron's. The old underscore spellings stay
+    accepted as aliases (``add_argument("--save-dir", "--save_dir", ...)``) and say so."""
+    from dsp_plugin.log import get_logger, setup
+
+    setup()
+    said = []
+    for old, new in renamed.items():
+        if any(a == old or a.startswith(old + "=") for a in argv):
+            said.append(f"{prog}: {old} is deprecated; use {new}")
+            get_logger("dsp_plugin.launch").warning(said[-1])
+    return said
 
 
 def _run(prog: str) -> object:

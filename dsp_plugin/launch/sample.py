@@ -213,10 +213,11 @@ def sample(args: argparse.Namespace) -> dict[str, Any]:
     import torch.distributed as dist
 
     from dsp_plugin import backend as runtime
-    from dsp_plugin.log import get_logger, setup
+    from dsp_plugin.log import get_logger, quiet_third_party, setup
     from dsp_plugin.pipelines import parallelize_latte_pipeline, parallelize_wan_pipeline, sampling_groups
 
     setup()
+    quiet_third_party()
     log = get_logger(__name__)
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1

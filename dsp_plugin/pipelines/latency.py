@@ -27,6 +27,9 @@ __all__ = ["main", "measure"]
 
 
 def _worker(rank: int, n: int, frames: int, steps: int, size: int, layers: int) -> dict[str, Any]:
+    from dsp_plugin.log import quiet_third_party
+
+    quiet_third_party()                 # third-party notices stay out of the tables
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.adapters.latte import LatteDSP
     from dsp_plugin.backend import current_device, synchronize
