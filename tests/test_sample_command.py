@@ -139,3 +139,17 @@ def test_version(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit):
         sample.main(["--version"])
     assert capsys.readouterr().out.strip() == f"dsp-sample (dsp_plugin) {__version__}"
+
+
+@pytest.mark.slow
+def test_model_directory_from_save_pretrained(tmp_path: Path) -> None:
+    """``--model DIR``: a WanPipeline written by ``--save-pretrained`` and loaded by diffusers' from_pretrained,
+    sampled by 2 processes ``dsp-sample`` starts itself, equals the one-process pipeline."""
+    expected, _ = _wan_reference(tmp_path)
+    saved = _command(["--model", "tiny-wan", "--steps", "1", "--save-pretrained", str(tmp_path / "pipe")])
+    assert saved.returncode == 0 and (tmp_path / "pipe" / "model_index.json").is_file(), saved.stderr[-3000:]
+    done = _command(["--model", str(tmp_path / "pipe"), "--dsp", "2", "--height", "16", "--width", "16",
+                     "--num-frames", "9", "--max-sequence-length", "16", "--output", str(tmp_path / "v.pt")])
+    assert done.returncode == 0, done.stderr[-3000:]
+    frames = torch.load(tmp_path / "v.pt", weights_only=True).numpy()
+    assert np.abs(frames - expected).max() == 0
