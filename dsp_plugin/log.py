@@ -5,8 +5,9 @@
     log.info("wrote %s", path)          # printed by rank 0
     log.warning("rank-local", extra={"all_ranks": True})   # printed by every rank, prefixed with its rank
 
-``setup()`` (called by the launches' mains) gives the ``dsp_plugin`` logger one stderr handler with the
-rank-0 filter; a user's own logging configuration is left alone otherwise (``setup`` adds nothing twice).
+``setup()`` (called by the launches) gives the ``dsp_plugin`` logger one handler, to stderr or stdout (the
+training launches' tables), with the rank-0 filter; a user's own logging configuration is left alone
+otherwise (``setup`` adds nothing twice).
 """
 
 from __future__ import annotations
@@ -42,16 +43,35 @@ def get_logger(name: str = "dsp_plugin") -> logging.Logger:
     return logging.getLogger(name if name.startswith("dsp_plugin") else f"dsp_plugin.{name}")
 
 
-def setup(level: int = logging.INFO) -> logging.Logger:
-    """One stderr handler on the ``dsp_plugin`` logger, with the rank-0 filter (idempotent)."""
+class _StandardStream(logging.StreamHandler):
+    """A handler writing to whatever ``sys.stdout`` / ``sys.stderr`` is when a record comes (pytest's capture,
+    a redirect made after ``setup``), not the stream of the moment it was made."""
+
+    def __init__(self, which: str) -> None:
+        super().__init__()
+        self.which = which
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201
+        return getattr(sys, self.which)
+
+    @stream.setter
+    def stream(self, value: object) -> None:
+        pass
+
+
+def setup(level: int = logging.INFO, stream: str = "stderr") -> logging.Logger:
+    """One handler on the ``dsp_plugin`` logger, to ``sys.stderr`` (or ``"stdout"``: the launches' tables),
+    with the rank-0 filter. A second call adds no handler; it sets the level and the stream."""
     logger = logging.getLogger("dsp_plugin")
-    if not any(getattr(h, "_dsp_plugin", False) for h in logger.handlers):
-        handler = logging.StreamHandler(sys.stderr)
-        handler._dsp_plugin = True  # type: ignore[attr-defined]
+    handler = next((h for h in logger.handlers if isinstance(h, _StandardStream)), None)
+    if handler is None:
+        handler = _StandardStream(stream)
         handler.addFilter(RankZeroFilter())
         handler.setFormatter(logging.Formatter("%(rank_prefix)s%(message)s"))
         logger.addHandler(handler)
         logger.propagate = False
+    handler.which = stream
     logger.setLevel(level)
     return logger
 

@@ -127,3 +127,18 @@ print([str(w.message) for w in seen], logging.getLogger("diffusers").getEffectiv
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert done.stdout.strip() == "['ours'] True", done.stdout + done.stderr
+
+
+def test_logger_rank_zero_filter() -> None:
+    """The dsp_plugin logger prints on rank 0; other ranks only records marked all_ranks (those prefixed)."""
+    code = r"""
+import logging, os, sys
+from dsp_plugin.log import get_logger, setup
+setup(stream="stdout")
+log = get_logger("t")
+log.info("said by %s", os.environ["RANK"])
+log.warning("every rank", extra={"all_ranks": True})
+"""
+    outs = [subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(r))).stdout for r in (0, 1)]
+    assert outs == ["said by 0\n[rank 0] every rank\n", "[rank 1] every rank\n"], outs

@@ -27,6 +27,7 @@ from dsp_plugin import backend as runtime
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.failures import launch_main, reporting
 from dsp_plugin.launch.paths import OutputPathError, check_output_dir, check_output_file, raise_on_every_rank
+from dsp_plugin.log import setup
 from dsp_plugin.pipelines import parallelize_latte_pipeline, sampling_groups
 from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds
 from dsp_plugin.topology import set_topology
@@ -120,16 +121,16 @@ def sample(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     stats = {"world": world, "step_ms_median": 1e3 * statistics.median(step_s),
              "step_bytes": step_bytes[-1], "final_bytes": final_bytes,
              "total_s": end - marks[0][0]}
-    if rank == 0:
-        cfg = "cfg(2) x " if args.cfg_parallel else ""
-        print(f"sample_latte: {world} process(es), {cfg}dsp({world // (2 if args.cfg_parallel else 1)}), "
-              f"{args.frames} frames, {args.steps} steps, on {device}")
-        for i, (s, b) in enumerate(zip(step_s, step_bytes)):
-            print(f"  step {i}: {1e3 * s:8.2f} ms  {b:>9d} bytes sent by rank 0")
-        print(f"  after the loop (decode + gather pixels): {final_bytes} bytes; total {stats['total_s']:.3f} s")
-        if args.out:
-            torch.save(frames.contiguous().cpu(), args.out)
-            print(f"  wrote {tuple(frames.shape)} to {args.out}")
+    log = setup(stream="stdout").info       # the dsp_plugin logger: rank 0 only (dsp_plugin.log)
+    cfg = "cfg(2) x " if args.cfg_parallel else ""
+    log(f"sample_latte: {world} process(es), {cfg}dsp({world // (2 if args.cfg_parallel else 1)}), "
+        f"{args.frames} frames, {args.steps} steps, on {device}")
+    for i, (s, b) in enumerate(zip(step_s, step_bytes)):
+        log(f"  step {i}: {1e3 * s:8.2f} ms  {b:>9d} bytes sent by rank 0")
+    log(f"  after the loop (decode + gather pixels): {final_bytes} bytes; total {stats['total_s']:.3f} s")
+    if rank == 0 and args.out:
+        torch.save(frames.contiguous().cpu(), args.out)
+        log(f"  wrote {tuple(frames.shape)} to {args.out}")
     return stats
 
 

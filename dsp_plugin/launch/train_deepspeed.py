@@ -44,6 +44,7 @@ from dsp_plugin.deepspeed.engine import load_config
 from dsp_plugin.failures import launch_main, reporting
 from dsp_plugin.launch.cli import warn_renamed
 from dsp_plugin.launch.paths import check_output_file
+from dsp_plugin.log import setup
 from dsp_plugin.models import STDiT, STDiTConfig
 from dsp_plugin.steplog import log_first_call
 from dsp_plugin.topology import set_topology
@@ -150,7 +151,8 @@ def train(args: argparse.Namespace) -> None:
         return loss.detach()
 
     # rank 0 logs the DSP groups and the first micro-step's all-to-alls and bytes
-    micro_step = log_first_call(micro_step, log=print if rank == 0 else lambda line: None)
+    log = setup(stream="stdout").info       # the dsp_plugin logger: rank 0 only (dsp_plugin.log)
+    micro_step = log_first_call(micro_step, log=log)
     for step in range(1, args.steps + 1):
         total = torch.zeros((), device=engine.device)
         for _ in range(gas):
@@ -162,12 +164,10 @@ def train(args: argparse.Namespace) -> None:
             total += micro_step(batch) / gas
         # Mean over data-parallel replicas (DSP ranks of a group hold the same loss).
         losses.append(all_reduce_mean(total, group=engine.mpu.get_data_parallel_group()).item())
-        if rank == 0:
-            print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+        log(f"step {step} loss {losses[-1]:.6f}")
         if args.save_dir and (args.save_at == step or (args.save_every and step % args.save_every == 0)):
             tag = checkpoint.save(engine, args.save_dir, step=step, client_state={"loader": loader.state_dict()})
-            if rank == 0:
-                print(f"saved {args.save_dir}/{tag}", flush=True)
+            log(f"saved {args.save_dir}/{tag}")
     if rank == 0 and args.losses_json:
         Path(args.losses_json).write_text(json.dumps(losses))
 

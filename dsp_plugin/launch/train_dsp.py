@@ -36,6 +36,7 @@ from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.failures import launch_main, reporting
 from dsp_plugin.launch.paths import check_output_file
+from dsp_plugin.log import setup
 from dsp_plugin.models import STDiT, STDiTConfig
 from dsp_plugin.plan.builtin import stdit_schedule
 
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
     rank = dist.get_rank() if distributed else 0
     dsp = topology.dsp if topology else 1
     dp = topology.dp if topology else 1
-    log = print if rank == 0 else (lambda *a, **k: None)
+    log = setup(stream="stdout").info       # the dsp_plugin logger: rank 0 only (dsp_plugin.log)
 
     config = STDiTConfig.preset(args.preset)
     torch.manual_seed(args.seed)                   # same initial parameters on every rank
