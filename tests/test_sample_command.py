@@ -110,6 +110,7 @@ def test_spawned_tiny_latte_gif_and_frames_equal_one_process(tmp_path: Path) -> 
     (["--dsp", "4", "--num-frames", "5"], "--num-frames 5 gives 3 latent frames, fewer than --dsp 4; expected "
                                           "--num-frames >= 7"),
     (["--steps", "0"], "--steps 0: expected a positive integer"),
+    (["--output", "/proc/v.mp4"], "--output '/proc' cannot be written"),  # checked before any process
 ])
 def test_argument_errors_are_one_line_before_any_process(args: list[str], message: str,
                                                          capsys: pytest.CaptureFixture) -> None:

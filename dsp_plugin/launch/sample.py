@@ -76,6 +76,8 @@ def check_args(args: argparse.Namespace, torchrun_world: int | None) -> int:
     """Every argument error, before a process is started or a model built; returns the world size."""
     import importlib.util
 
+    from dsp_plugin.launch.paths import OutputPathError, check_output_dir, check_output_file
+
     for module in ("diffusers", "transformers"):
         if importlib.util.find_spec(module) is None:
             fail(f"{module} is not installed; install the extra: pip install 'dsp_plugin[diffusers]'")
@@ -93,8 +95,15 @@ def check_args(args: argparse.Namespace, torchrun_world: int | None) -> int:
                                            or importlib.util.find_spec("imageio_ffmpeg") is None):
             fail(f"--output {out}: writing .mp4 needs imageio and imageio-ffmpeg; install the extra: "
                  f"pip install 'dsp_plugin[diffusers]'")
-        if Path(out).exists() and Path(out).is_dir():
-            fail(f"--output {out} is a directory; expected a file path")
+        try:     # writable (its directory created), not a directory: before the work (dsp_plugin.launch.paths)
+            check_output_file("--output", out)
+        except OutputPathError as exc:
+            fail(str(exc))
+    if args.save_pretrained:
+        try:
+            check_output_dir("--save-pretrained", args.save_pretrained)
+        except OutputPathError as exc:
+            fail(str(exc))
     if args.cfg_parallel and args.guidance <= 1.0:
         fail(f"--cfg-parallel with --guidance {args.guidance}: guidance <= 1 turns classifier-free guidance off; "
              f"expected --guidance > 1, or no --cfg-parallel")
