@@ -76,7 +76,7 @@ def _preflight_error(tmp_path: Path, config: dict, **overrides: object) -> str:
     train = _module("train_deepspeed")
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
-    args = Namespace(deepspeed_config=str(path), frames=8, size=8, save_dir=None, load_dir=None)
+    args = Namespace(deepspeed_config=str(path), frames=8, size=8, save_dir=None, load_dir=None, losses_json=None)
     for key, value in overrides.items():
         setattr(args, key, value)
     with pytest.raises((ValueError, RuntimeError)) as info:
