@@ -2,7 +2,11 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 4
-STEPS ?= 8
+ITERS ?= 8
+ifdef STEPS   # the old name: ITERS is run_megatron.sh's and run_deepspeed.sh's (Megatron's --train-iters)
+$(warning make: STEPS is deprecated; use ITERS=$(STEPS))
+ITERS := $(STEPS)
+endif
 
 .PHONY: setup train test clean
 
@@ -15,8 +19,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt scripts/setup.sh
 
 # DSP on NPROC gloo processes, then the same run on one process, losses side by side.
 train: setup
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m dsp_plugin.launch.train_dsp --steps $(STEPS) --out out/dsp.json
-	OMP_NUM_THREADS=1 $(PY) -m dsp_plugin.launch.train_dsp --steps $(STEPS) --compare out/dsp.json
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m dsp_plugin.launch.train_dsp --steps $(ITERS) --out out/dsp.json
+	OMP_NUM_THREADS=1 $(PY) -m dsp_plugin.launch.train_dsp --steps $(ITERS) --compare out/dsp.json
 
 test: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q

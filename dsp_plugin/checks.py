@@ -129,7 +129,9 @@ _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.
 
 def _feed(digest: Any, value: object) -> None:
     if isinstance(value, torch.Tensor):
-        data = value.detach().reshape(-1).contiguous().cpu()
+        # clone: an expanded size-1 tensor (``t.expand(1)``, a pipeline's timestep) counts as contiguous with
+        # stride 0, which ``view(torch.uint8)`` refuses
+        data = value.detach().reshape(-1).cpu().clone(memory_format=torch.contiguous_format)
         digest.update(f"T{data.dtype}{tuple(value.shape)};".encode())
         digest.update(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"")
     elif isinstance(value, torch.Generator):   # the stream it will draw: its state, not its identity

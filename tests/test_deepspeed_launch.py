@@ -82,7 +82,7 @@ def test_deepspeed_launcher_runs_the_script_unchanged(tmp_path: Path) -> None:
         [launcher, "--num_gpus", "2", "--master_port", str(_free_port()),
          "--module", "dsp_plugin.launch.train_deepspeed",
          "--deepspeed_config", str(config_path), "--steps", str(STEPS), "--samples", str(SAMPLES),
-         "--frames", str(FRAMES), "--size", str(SIZE), "--losses_json", str(losses)],
+         "--frames", str(FRAMES), "--size", str(SIZE), "--losses-json", str(losses)],
         check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     curve = json.loads(losses.read_text())
@@ -93,11 +93,11 @@ def test_deepspeed_launcher_runs_the_script_unchanged(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_bf16_zero3_through_run_deepspeed_sh(tmp_path: Path) -> None:
     losses = tmp_path / "losses.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2", DSP="2", ZERO="3", PRECISION="bf16", STEPS=str(STEPS),
-               PORT=str(_free_port()), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2", DSP="2", ZERO="3", PRECISION="bf16", ITERS=str(STEPS),
+               MASTER_PORT=str(_free_port()), PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}")
     result = subprocess.run(
         ["bash", "launch/run_deepspeed.sh", "--samples", str(SAMPLES), "--frames", str(FRAMES), "--size", str(SIZE),
-         "--losses_json", str(losses)],
+         "--losses-json", str(losses)],
         check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     curve = json.loads(losses.read_text())

@@ -121,8 +121,8 @@ RULES: list[Rule] = [
          "itself runs below"),
     Rule(r":inline:torchrun --nproc-per-node 4 -m dsp_plugin\.launch\.train_dsp$", "check",
          "what make train runs (below), with 4 processes"),
-    Rule(r":(NPROC=2 STEPS=20 )?make train", "run", "",
-         ((r"^(NPROC=2 STEPS=20 )?make train.*", "make -o .venv/.installed NPROC=2 STEPS=2 train"),),
+    Rule(r":(NPROC=2 ITERS=20 )?make train", "run", "",
+         ((r"^(NPROC=2 ITERS=20 )?make train.*", "make -o .venv/.installed NPROC=2 ITERS=2 train"),),
          expect="largest difference: 0.00e+00"),
     Rule(r"python -m dsp_plugin\.launch\.train_dsp --help", "run", subs=((r"^python", sys.executable),),
          expect="--frames"),
@@ -149,6 +149,7 @@ RULES: list[Rule] = [
     Rule(r"python -m tests\.test_deepspeed_(convention|gradients)|pytest tests/test_deepspeed", "covered",
          tests=("tests/test_deepspeed_convention.py", "tests/test_deepspeed_gradients.py")),
     Rule(r"docs/deepspeed\.md:json", "run"),
+    Rule(r"examples/train_wan_deepspeed\.py", "covered", tests=("tests/test_example_wan_deepspeed.py",)),
     # ---- sampling --------------------------------------------------------------------------------------------
     Rule(r"^README\.md:bash:\.venv/bin/torchrun --nproc-per-node 2 -m dsp_plugin\.launch\.sample_latte",
          "run",
@@ -156,6 +157,8 @@ RULES: list[Rule] = [
          expect="wrote"),
     Rule(r"dsp_plugin\.launch\.sample_latte", "check",
          "tests/test_sampling_launch.py runs these on 1, 2 and 4 processes"),
+    Rule(r"dsp_plugin\.launch\.sample\b|dsp-sample\b", "check",
+         "tests/test_sample_command.py runs torchrun on 2 processes (with and without --cfg-parallel) and --dsp 2"),
     Rule(r"docs/(models|inference)\.md:python", "covered",
          tests=("tests/test_adapters_docs.py::test_python_blocks_run",)),
     Rule(r"pytest -s tests/test_sampling_latte\.py", "covered", tests=("tests/test_sampling_latte.py",)),
@@ -249,7 +252,8 @@ def _help(script: str) -> str:
 _LAUNCHED = {"run_megatron.sh": "dsp_plugin.launch.pretrain_stdit",
              "run_deepspeed.sh": "dsp_plugin.launch.train_deepspeed",
              **{f"dsp_plugin.launch.{n}": f"dsp_plugin.launch.{n}"
-                for n in ("train_deepspeed", "sample_latte", "train_dsp", "pretrain_stdit")}}
+                for n in ("train_deepspeed", "sample_latte", "sample", "train_dsp", "pretrain_stdit")},
+             "dsp-sample": "dsp_plugin.launch.sample"}
 _ENV_READERS = {"DSP_CHECK": "dsp_plugin/checks.py", "DSP_BACKEND": "dsp_plugin/backend.py"}
 
 

@@ -3,7 +3,7 @@
 ``--frames`` below the DSP size used to kill rank 1 in conv3d on an empty shard
 while rank 0 saw "connection closed"; a DeepSpeed config without (or with a
 misspelled) ``sequence_parallel_mode`` died after minutes in torch's loader
-("batch_size=4.0"); a missing ``--load_dir`` or an unwritable ``--save_dir`` gave
+("batch_size=4.0"); a missing ``--load-dir`` or an unwritable ``--save-dir`` gave
 DeepSpeed's bare assertion; Megatron's ``--load`` of nothing trained from scratch
 with exit 0. Two 2-rank runs (torchrun's environment) show the error on both ranks; the rest calls the
 launch's own preflight in this process (it issues no collective by design).
@@ -76,7 +76,7 @@ def _preflight_error(tmp_path: Path, config: dict, **overrides: object) -> str:
     train = _module("train_deepspeed")
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
-    args = Namespace(deepspeed_config=str(path), frames=8, size=8, save_dir=None, load_dir=None)
+    args = Namespace(deepspeed_config=str(path), frames=8, size=8, save_dir=None, load_dir=None, losses_json=None)
     for key, value in overrides.items():
         setattr(args, key, value)
     with pytest.raises((ValueError, RuntimeError)) as info:
@@ -91,7 +91,7 @@ def test_train_deepspeed_preflight_names_the_fix(tmp_path: Path, monkeypatch: py
     assert "trains with DSP, but the config has no 'sequence_parallel_mode' key" in _preflight_error(tmp_path, missing)
     typo = dict(missing, sequence_paralel_mode="dsp")
     assert "did you mean 'sequence_parallel_mode'" in _preflight_error(tmp_path, typo)
-    assert "--load_dir" in _preflight_error(tmp_path, good, load_dir=str(tmp_path / "nowhere"))
+    assert "--load-dir" in _preflight_error(tmp_path, good, load_dir=str(tmp_path / "nowhere"))
     (tmp_path / "file").write_text("")
     assert "cannot be written" in _preflight_error(tmp_path, good, save_dir=str(tmp_path / "file" / "ckpt"))
 

@@ -41,9 +41,10 @@ def _sample(rank: int, n: int) -> dict[str, object]:
             with CommAccounting(activations=False) as acct:
                 seen = [0]
 
-                def on_step(i: int, t: object, shard: torch.Tensor, acct: CommAccounting = acct) -> None:
+                def on_step(pipe: object, i: int, t: object, kw: dict, acct: CommAccounting = acct) -> dict:
                     per_step.append([r.op for r in acct.records[seen[0]:]])
                     seen[0] = len(acct.records)
+                    return {}
 
                 frames = sampler(**_kwargs(output_type), callback_on_step_end=on_step).frames
             tag = f"{output_type}/cfg{int(cfg_parallel)}"

@@ -30,16 +30,17 @@ def _kwargs(output_type: str, **extra: object) -> dict:
             "generator": torch.Generator().manual_seed(0), "output_type": output_type, **extra}
 
 
-def _pipe(two_stage: bool = False):  # noqa: ANN202
+def _pipe(two_stage: bool = False, expand_timesteps: bool = False):  # noqa: ANN202
     pipe = tiny_wan_pipeline(layers=LAYERS, two_stage=two_stage)
+    pipe.register_to_config(expand_timesteps=expand_timesteps)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
 
 def _run(cfg_parallel: bool, output_type: str, expected: torch.Tensor, two_stage: bool = False,
-         **extra: object) -> dict:
+         expand_timesteps: bool = False, **extra: object) -> dict:
     dsp_group, cfg_group = sampling_groups(cfg_parallel=cfg_parallel)
-    pipe = _pipe(two_stage)
+    pipe = _pipe(two_stage, expand_timesteps)
     sampler = parallelize_wan_pipeline(pipe, dsp_group=dsp_group, cfg_group=cfg_group)
     seen_frames: list[int] = []               # the latent frames every transformer call receives
     calls = [0] * len(sampler.models)
@@ -51,8 +52,9 @@ def _run(cfg_parallel: bool, output_type: str, expected: torch.Tensor, two_stage
         model.register_forward_pre_hook(seen, with_kwargs=True)
     per_step: list[list[str]] = []
     with CommAccounting(activations=False) as acct:
-        def on_step(i: int, t: object, shard: torch.Tensor) -> None:
+        def on_step(pipe: object, i: int, t: object, kw: dict) -> dict:
             per_step.append([r.op for r in acct.records[sum(map(len, per_step)):]])
+            return {}
 
         frames = sampler(**_kwargs(output_type, **extra), callback_on_step_end=on_step).frames
     return {"diff": (frames - expected).abs().max().item(), "scale": expected.abs().max().item(),
@@ -69,6 +71,9 @@ def _sample(rank: int, n: int) -> dict[str, dict]:
     if n == 2:   # Wan 2.2's two-stage layout: both transformers parallelized, each step on diffusers' choice
         expected = _pipe(two_stage=True)(**_kwargs("latent", guidance_scale_2=2.0)).frames
         result["latent/two_stage"] = _run(False, "latent", expected, two_stage=True, guidance_scale_2=2.0)
+        # Wan 2.2 TI2V's per-token timesteps: diffusers' loop builds them from the shard's latents
+        expected = _pipe(expand_timesteps=True)(**_kwargs("latent")).frames
+        result["latent/expand_timesteps"] = _run(False, "latent", expected, expand_timesteps=True)
     return result
 
 
@@ -145,10 +150,6 @@ def test_bad_pipelines() -> None:
         pipe.scheduler = scheduler
         with pytest.raises(ValueError, match=f"scheduler {name}\\w* draws noise in its step"):
             parallelize_wan_pipeline(pipe)
-    pipe = _pipe()
-    pipe.register_to_config(expand_timesteps=True)
-    with pytest.raises(ValueError, match="expand_timesteps=True"):
-        parallelize_wan_pipeline(pipe)
     pipe = _pipe()
     pipe.register_to_config(boundary_ratio=0.5)
     with pytest.raises(ValueError, match="boundary_ratio=0.5 switches between two transformers, but the "

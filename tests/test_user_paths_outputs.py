@@ -62,7 +62,7 @@ def test_train_dsp_and_deepspeed_outputs_are_checked_first(tmp_path: Path, monke
     from tests.test_reliability_launch import _preflight_error
 
     good = json.loads((ROOT / "launch" / "ds_config_dsp.json").read_text())
-    assert "--losses_json" in _preflight_error(tmp_path, good, losses_json=str(bad))
+    assert "--losses-json" in _preflight_error(tmp_path, good, losses_json=str(bad))
 
 
 @pytest.mark.slow

@@ -40,8 +40,11 @@ def _worker(rank: int, n: int, shape: dict[str, int]) -> int:
     from dsp_plugin import parallelize
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.backend import current_device
+    from dsp_plugin.log import quiet_third_party
     from dsp_plugin.models import STDiT, STDiTConfig
     from dsp_plugin.topology import Topology, set_topology
+
+    quiet_third_party()                 # third-party notices stay out of the tables
 
     set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)
     device = current_device()
@@ -109,21 +112,27 @@ def main(argv: list[str] | None = None) -> str:
     p = argparse.ArgumentParser(prog="python -m dsp_plugin.bench.memory", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nproc", type=int, nargs="+", default=[1, 2, 4], help="DSP sizes to measure (default 1 2 4)")
-    p.add_argument("--frames", type=int, default=16)
+    p.add_argument("--frames", type=int, default=16, help="latent frames (at least the largest --nproc; default 16)")
     p.add_argument("--size", type=int, default=32, help="latent height = width (patch 2: size^2/4 tokens a frame)")
     p.add_argument("--text-len", type=int, default=120, help="text tokens (T5 in OpenSora and Latte: 120)")
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--depth", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=64, help="hidden size of the measured STDiT (default 64)")
+    p.add_argument("--depth", type=int, default=2, help="layers of the measured STDiT (default 2)")
+    p.add_argument("--heads", type=int, default=4, help="attention heads of the measured STDiT (default 4)")
     p.add_argument("--model", choices=sorted(MODELS), default="720M", help="model for the prediction")
-    p.add_argument("--text-len-model", type=int, default=120)
+    p.add_argument("--text-len-model", type=int, default=120, help="text tokens for the prediction (default 120)")
     p.add_argument("--bytes", type=int, default=2, help="bytes per element for the prediction (bf16: 2)")
     p.add_argument("--memory-gib", type=float, default=80.0, help="activation budget per GPU (default 80)")
-    p.add_argument("--predict-n", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--predict-n", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32],
+                   help="DSP sizes of the prediction (default 1 2 4 8 16 32)")
     args = p.parse_args(argv)
     shape = {k: getattr(args, k) for k in ("frames", "size", "text_len", "hidden", "depth", "heads")}
     if sorted(args.nproc) != args.nproc:
         p.error(f"--nproc {args.nproc}: give the sizes in increasing order")
+    largest, patches = max(args.nproc), (args.size // 2) ** 2     # before the first (minutes-long) measurement
+    if args.frames < largest or patches < largest:
+        p.error(f"--frames {args.frames} and --size {args.size} ({patches} patches a frame) leave a rank of "
+                f"--nproc {largest} with no frame or patch; expected --frames >= {largest} and "
+                f"(--size // 2)**2 >= {largest}, or a smaller --nproc")
     text = render(measure(args.nproc, shape), shape, args)
     print(text)
     return text

@@ -147,6 +147,9 @@ def formula(strategy: str, pattern: tuple[str, ...], n: int, activation_bytes: i
 
 def worker(rank: int, n: int, pattern: tuple[str, ...], shape: tuple[int, int, int, int], heads: int,
            reps: int) -> dict[str, Any]:
+    from dsp_plugin.log import quiet_third_party
+
+    quiet_third_party()                 # third-party notices stay out of the tables
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.topology import Topology, set_topology
 

@@ -262,6 +262,9 @@ def micro_benchmark(cfg: BenchConfig, rank: int, n: int) -> dict[str, Any]:
 
 def worker(rank: int, world_size: int, cfg: BenchConfig, methods: tuple[str, ...]) -> dict[str, Any]:
     """Entry point of one bench rank; returns this rank's raw numbers."""
+    from dsp_plugin.log import quiet_third_party
+
+    quiet_third_party()                 # third-party notices stay out of the tables
     from dsp_plugin.topology import Topology, set_topology
 
     set_topology(Topology.world())   # the whole world is the DSP group (group=None refuses without one)

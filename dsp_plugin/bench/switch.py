@@ -50,6 +50,9 @@ def _load(path: str | None) -> Any:
 
 
 def _worker(rank: int, n: int, mib: int, reps: int, compare_path: str | None) -> dict[str, float]:
+    from dsp_plugin.log import quiet_third_party
+
+    quiet_third_party()                 # third-party notices stay out of the tables
     from dsp_plugin import checks
     from dsp_plugin.backend import current_device, synchronize
     from dsp_plugin.baselines.comm import bare_all_to_all

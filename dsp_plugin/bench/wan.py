@@ -69,6 +69,9 @@ def _account(model: Any, batch: tuple[torch.Tensor, ...], expected: torch.Tensor
 
 
 def _worker(rank: int, n: int, size: tuple[int, ...], steps: int) -> dict[str, Any]:
+    from dsp_plugin.log import quiet_third_party
+
+    quiet_third_party()                 # third-party notices stay out of the tables
     import dsp_plugin
     from diffusers.utils import logging as diffusers_logging
 

@@ -58,7 +58,7 @@ def check_save_dir(save_dir: str | os.PathLike) -> Path:
         with tempfile.NamedTemporaryFile(dir=path, prefix=".dsp_write_test"):
             pass
     except OSError as exc:
-        raise CheckpointError(f"--save_dir {str(path)!r} cannot be written ({type(exc).__name__}: {exc}); "
+        raise CheckpointError(f"--save-dir {str(path)!r} cannot be written ({type(exc).__name__}: {exc}); "
                               f"expected a directory this user can create and write (checked before training, "
                               f"so no step is lost)") from None
     return path
@@ -133,7 +133,7 @@ def _write_failure(exc: BaseException, where: Path) -> CheckpointError | None:
     return CheckpointError(f"saving checkpoint {str(where)!r} failed writing ({text.splitlines()[0][:200]}): the "
                            f"filesystem mounted at {str(mount)!r} has {usage.free / 2**30:.2f} GiB free of "
                            f"{usage.total / 2**30:.2f} GiB (or a quota or file-size limit was hit); free space "
-                           f"there or pass another --save_dir. The previous complete save is still 'latest'.")
+                           f"there or pass another --save-dir. The previous complete save is still 'latest'.")
 
 
 def check_load_dir(load_dir: str | os.PathLike) -> tuple[str, str]:
@@ -144,17 +144,17 @@ def check_load_dir(load_dir: str | os.PathLike) -> tuple[str, str]:
     """
     path = Path(load_dir)
     if not path.is_dir():
-        raise CheckpointError(f"--load_dir {str(path)!r} does not exist or is not a directory; expected a "
-                              f"directory written by --save_dir (drop --load_dir to start from scratch)")
+        raise CheckpointError(f"--load-dir {str(path)!r} does not exist or is not a directory; expected a "
+                              f"directory written by --save-dir (drop --load-dir to start from scratch)")
     latest = path / "latest"
     if not latest.is_file():
         tags = sorted(p.name for p in path.iterdir() if p.is_dir())
-        raise CheckpointError(f"--load_dir {str(path)!r} has no 'latest' file, so no save into it completed "
-                              f"(tags present: {tags or 'none'}); expected a directory written by --save_dir")
+        raise CheckpointError(f"--load-dir {str(path)!r} has no 'latest' file, so no save into it completed "
+                              f"(tags present: {tags or 'none'}); expected a directory written by --save-dir")
     tag = latest.read_text().strip()
     tag_dir = path / tag
     if not tag_dir.is_dir():
-        raise CheckpointError(f"--load_dir {str(path)!r}: 'latest' names tag {tag!r}, which does not exist")
+        raise CheckpointError(f"--load-dir {str(path)!r}: 'latest' names tag {tag!r}, which does not exist")
     if not any(tag_dir.glob("*model_states.pt")):
         raise CheckpointError(f"checkpoint {str(tag_dir)!r} has no model states (*model_states.pt): not a "
                               f"DeepSpeed engine checkpoint, or its save was interrupted; expected the files "
@@ -163,7 +163,7 @@ def check_load_dir(load_dir: str | os.PathLike) -> tuple[str, str]:
     if not manifests:
         raise CheckpointError(f"checkpoint {str(tag_dir)!r} has no dsp_manifest_rank*.json, so nothing shows its "
                               f"files come from one save; expected a checkpoint written by "
-                              f"dsp_plugin.deepspeed.checkpoint.save (dsp_plugin.launch.train_deepspeed --save_dir)")
+                              f"dsp_plugin.deepspeed.checkpoint.save (dsp_plugin.launch.train_deepspeed --save-dir)")
     records = [json.loads(m.read_text()) for m in manifests]
     ids = {m.name: r["save_id"] for m, r in zip(manifests, records)}
     world = records[0].get("world_size", len(records))

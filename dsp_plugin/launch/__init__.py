@@ -4,7 +4,8 @@
 module                 console script             what
 =====================  =========================  ===============================================
 ``train_dsp``          ``dsp-train``              the tiny STDiT with DSP (``make train``)
-``sample_latte``       ``dsp-sample-latte``       diffusers ``LattePipeline`` sampling, sharded
+``sample``             ``dsp-sample``             a video from a diffusers Wan or Latte pipeline (.mp4, .gif, .pt)
+``sample_latte``       ``dsp-sample-latte``       per-step latency and bytes of the tiny LattePipeline (.pt)
 ``train_deepspeed``    ``dsp-train-deepspeed``    DeepSpeed + DSP (``launch/run_deepspeed.sh``)
 ``pretrain_stdit``     ``dsp-pretrain-stdit``     ``megatron.training`` + DSP (``launch/run_megatron.sh``)
 =====================  =========================  ===============================================

@@ -1,4 +1,4 @@
-"""Sample a video with diffusers' LattePipeline on N processes, latents sharded over DSP.
+"""Per-step latency and bytes of sampling diffusers' LattePipeline on N processes (for a video: ``dsp-sample``).
 
     torchrun --nproc-per-node 4 -m dsp_plugin.launch.sample_latte --frames 7 --steps 4 --cfg-parallel --out video.pt
 
@@ -27,6 +27,7 @@ from dsp_plugin import backend as runtime
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.failures import launch_main, reporting
 from dsp_plugin.launch.paths import OutputPathError, check_output_dir, check_output_file, raise_on_every_rank
+from dsp_plugin.log import setup
 from dsp_plugin.pipelines import parallelize_latte_pipeline, sampling_groups
 from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds
 from dsp_plugin.topology import set_topology
@@ -46,7 +47,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="torch.save the frames here (rank 0)")
     p.add_argument("--timeout", type=float, default=120,
                    help="seconds a collective may wait for a peer before every rank stops (default 120)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.out is not None and not args.out.endswith(".pt"):
+        p.error(f"--out {args.out}: this command writes a torch.save file; expected a .pt path "
+                f"(for a .mp4 or .gif: dsp-sample --model tiny-latte --output {args.out})")
+    return args
 
 
 @launch_main
@@ -97,9 +102,10 @@ def sample(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
 
     marks: list[tuple[float, int]] = []
     with CommAccounting(activations=False) as acct:
-        def on_step(i: int, t: object, shard: torch.Tensor) -> None:
+        def on_step(pipe: object, i: int, t: object, kwargs: dict) -> dict:
             runtime.synchronize(device)
             marks.append((time.perf_counter(), sum(r.bytes_sent for r in acct.records)))
+            return {}
 
         marks.append((time.perf_counter(), 0))
         frames = sampler(prompt_embeds=prompt, negative_prompt=None, negative_prompt_embeds=negative,
@@ -115,16 +121,16 @@ def sample(args: argparse.Namespace, device: torch.device) -> dict[str, float]:
     stats = {"world": world, "step_ms_median": 1e3 * statistics.median(step_s),
              "step_bytes": step_bytes[-1], "final_bytes": final_bytes,
              "total_s": end - marks[0][0]}
-    if rank == 0:
-        cfg = "cfg(2) x " if args.cfg_parallel else ""
-        print(f"sample_latte: {world} process(es), {cfg}dsp({world // (2 if args.cfg_parallel else 1)}), "
-              f"{args.frames} frames, {args.steps} steps, on {device}")
-        for i, (s, b) in enumerate(zip(step_s, step_bytes)):
-            print(f"  step {i}: {1e3 * s:8.2f} ms  {b:>9d} bytes sent by rank 0")
-        print(f"  after the loop (decode + gather pixels): {final_bytes} bytes; total {stats['total_s']:.3f} s")
-        if args.out:
-            torch.save(frames.contiguous().cpu(), args.out)
-            print(f"  wrote {tuple(frames.shape)} to {args.out}")
+    log = setup(stream="stdout").info       # the dsp_plugin logger: rank 0 only (dsp_plugin.log)
+    cfg = "cfg(2) x " if args.cfg_parallel else ""
+    log(f"sample_latte: {world} process(es), {cfg}dsp({world // (2 if args.cfg_parallel else 1)}), "
+        f"{args.frames} frames, {args.steps} steps, on {device}")
+    for i, (s, b) in enumerate(zip(step_s, step_bytes)):
+        log(f"  step {i}: {1e3 * s:8.2f} ms  {b:>9d} bytes sent by rank 0")
+    log(f"  after the loop (decode + gather pixels): {final_bytes} bytes; total {stats['total_s']:.3f} s")
+    if rank == 0 and args.out:
+        torch.save(frames.contiguous().cpu(), args.out)
+        log(f"  wrote {tuple(frames.shape)} to {args.out}")
     return stats
 
 

@@ -10,14 +10,14 @@ cast to the parameters' dtype and the loss is taken in fp32::
     torchrun --standalone --nproc_per_node 4 -m dsp_plugin.launch.train_deepspeed --deepspeed_config launch/ds_config_dsp.json
 
 Prints ``step N loss X`` (mean over data-parallel replicas) on rank 0.
-``--save_dir`` with ``--save_at N`` (or ``--save_every N``) writes an engine
+``--save-dir`` with ``--save-at N`` (or ``--save-every N``) writes an engine
 checkpoint with the data loader's position as client state, each save under its
 own tag with ``latest`` written last (``dsp_plugin.deepspeed.checkpoint``);
-``--load_dir`` resumes from ``latest``, at any DSP size that keeps the world size
+``--load-dir`` resumes from ``latest``, at any DSP size that keeps the world size
 (ZeRO >= 1) or at any world size (ZeRO-0), and refuses a missing directory or a
 checkpoint whose files come from different saves. Bad arguments (a config
 without the DSP key, ``--frames`` below the DSP size, an unwritable
-``--save_dir``) stop every rank before any collective. ``--timeout`` (seconds,
+``--save-dir``) stop every rank before any collective. ``--timeout`` (seconds,
 default 120) bounds every collective's wait for a dead or frozen peer; the DSP
 groups inherit it.
 """
@@ -28,6 +28,7 @@ import argparse
 import datetime
 import json
 import os
+import sys
 from pathlib import Path
 
 import deepspeed
@@ -41,7 +42,9 @@ from dsp_plugin.deepspeed import checkpoint, initialize  # DSP (was: deepspeed.i
 from dsp_plugin.deepspeed.config import require_dsp_config
 from dsp_plugin.deepspeed.engine import load_config
 from dsp_plugin.failures import launch_main, reporting
+from dsp_plugin.launch.cli import warn_renamed
 from dsp_plugin.launch.paths import check_output_file
+from dsp_plugin.log import setup
 from dsp_plugin.models import STDiT, STDiTConfig
 from dsp_plugin.steplog import log_first_call
 from dsp_plugin.topology import set_topology
@@ -56,22 +59,36 @@ def synthetic_dataset(samples: int, frames: int, size: int, seed: int = 7) -> to
                                           torch.randn(samples, 3, 16, generator=g), torch.randn(shape, generator=g))
 
 
+#: the old underscore spellings of this script's own flags (DeepSpeed's --deepspeed_config keeps DeepSpeed's)
+RENAMED = {"--save_dir": "--save-dir", "--save_at": "--save-at", "--save_every": "--save-every",
+           "--load_dir": "--load-dir", "--losses_json": "--losses-json"}
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--local_rank", type=int, default=int(os.environ.get("LOCAL_RANK", "0")))
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--samples", type=int, default=64)
-    parser.add_argument("--frames", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
+    parser.add_argument("--samples", type=int, default=64, help="synthetic dataset size (default 64)")
+    parser.add_argument("--frames", type=int, default=8, help="latent frames (default 8)")
     parser.add_argument("--size", type=int, default=8, help="latent height and width")
-    parser.add_argument("--save_dir", default=None)
-    parser.add_argument("--save_at", type=int, default=None, help="optimizer step after which to save")
-    parser.add_argument("--save_every", type=int, default=None, help="save after every N optimizer steps")
-    parser.add_argument("--load_dir", default=None)
-    parser.add_argument("--losses_json", default=None, help="rank 0 writes the loss curve here")
+    parser.add_argument("--save-dir", "--save_dir", dest="save_dir", default=None,
+                        help="write checkpoints here (dsp_plugin.deepspeed.checkpoint)")
+    parser.add_argument("--save-at", "--save_at", dest="save_at", type=int, default=None,
+                        help="optimizer step after which to save")
+    parser.add_argument("--save-every", "--save_every", dest="save_every", type=int, default=None,
+                        help="save after every N optimizer steps")
+    parser.add_argument("--load-dir", "--load_dir", dest="load_dir", default=None,
+                        help="resume from this directory's latest checkpoint")
+    parser.add_argument("--losses-json", "--losses_json", dest="losses_json", default=None,
+                        help="rank 0 writes the loss curve here")
     parser.add_argument("--timeout", type=float, default=120,
                         help="seconds a collective may wait for a peer before every rank stops (default 120)")
     parser = deepspeed.add_config_arguments(parser)
-    return parser.parse_args()
+    args = parser.parse_args()
+    warn_renamed("dsp_plugin.launch.train_deepspeed", sys.argv[1:], RENAMED)
+    if args.deepspeed_config is None:      # a pip install has no launch/: the example config ships in the package
+        args.deepspeed_config = str(Path(__file__).with_name("ds_config_dsp.json"))
+    return args
 
 
 def preflight(args: argparse.Namespace) -> None:
@@ -84,7 +101,7 @@ def preflight(args: argparse.Namespace) -> None:
     if args.save_dir:
         checkpoint.check_save_dir(args.save_dir)
     if args.losses_json:   # rank 0 writes it; every rank checks (the same shared path), before any collective
-        check_output_file("--losses_json", args.losses_json)
+        check_output_file("--losses-json", args.losses_json)
     if args.load_dir:
         checkpoint.check_load_dir(args.load_dir)
 
@@ -134,7 +151,8 @@ def train(args: argparse.Namespace) -> None:
         return loss.detach()
 
     # rank 0 logs the DSP groups and the first micro-step's all-to-alls and bytes
-    micro_step = log_first_call(micro_step, log=print if rank == 0 else lambda line: None)
+    log = setup(stream="stdout").info       # the dsp_plugin logger: rank 0 only (dsp_plugin.log)
+    micro_step = log_first_call(micro_step, log=log)
     for step in range(1, args.steps + 1):
         total = torch.zeros((), device=engine.device)
         for _ in range(gas):
@@ -146,12 +164,10 @@ def train(args: argparse.Namespace) -> None:
             total += micro_step(batch) / gas
         # Mean over data-parallel replicas (DSP ranks of a group hold the same loss).
         losses.append(all_reduce_mean(total, group=engine.mpu.get_data_parallel_group()).item())
-        if rank == 0:
-            print(f"step {step} loss {losses[-1]:.6f}", flush=True)
+        log(f"step {step} loss {losses[-1]:.6f}")
         if args.save_dir and (args.save_at == step or (args.save_every and step % args.save_every == 0)):
             tag = checkpoint.save(engine, args.save_dir, step=step, client_state={"loader": loader.state_dict()})
-            if rank == 0:
-                print(f"saved {args.save_dir}/{tag}", flush=True)
+            log(f"saved {args.save_dir}/{tag}")
     if rank == 0 and args.losses_json:
         Path(args.losses_json).write_text(json.dumps(losses))
 

@@ -36,6 +36,7 @@ from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.failures import launch_main, reporting
 from dsp_plugin.launch.paths import check_output_file
+from dsp_plugin.log import setup
 from dsp_plugin.models import STDiT, STDiTConfig
 from dsp_plugin.plan.builtin import stdit_schedule
 
@@ -59,15 +60,16 @@ class SyntheticLatents(Dataset):
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--preset", default="tiny")
+    p.add_argument("--preset", default="tiny", choices=("tiny", "720M", "3B"),
+                   help="the STDiT size: STDiTConfig.preset (default tiny)")
     p.add_argument("--dsp", type=int, default=None, help="DSP size (default: world size)")
-    p.add_argument("--frames", type=int, default=8)
-    p.add_argument("--height", type=int, default=16)
-    p.add_argument("--width", type=int, default=16)
+    p.add_argument("--frames", type=int, default=8, help="latent frames (default 8)")
+    p.add_argument("--height", type=int, default=16, help="latent height (default 16)")
+    p.add_argument("--width", type=int, default=16, help="latent width (default 16)")
     p.add_argument("--batch-size", type=int, default=2, help="samples per DP rank per step")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
+    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
     p.add_argument("--out", type=Path, default=None, help="write the loss curve as JSON")
     p.add_argument("--compare", type=Path, default=None, help="a JSON from another run to compare losses with")
     p.add_argument("--timeout", type=float, default=120,
@@ -109,7 +111,7 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
     rank = dist.get_rank() if distributed else 0
     dsp = topology.dsp if topology else 1
     dp = topology.dp if topology else 1
-    log = print if rank == 0 else (lambda *a, **k: None)
+    log = setup(stream="stdout").info       # the dsp_plugin logger: rank 0 only (dsp_plugin.log)
 
     config = STDiTConfig.preset(args.preset)
     torch.manual_seed(args.seed)                   # same initial parameters on every rank

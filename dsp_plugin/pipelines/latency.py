@@ -27,6 +27,9 @@ __all__ = ["main", "measure"]
 
 
 def _worker(rank: int, n: int, frames: int, steps: int, size: int, layers: int) -> dict[str, Any]:
+    from dsp_plugin.log import quiet_third_party
+
+    quiet_third_party()                 # third-party notices stay out of the tables
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.adapters.latte import LatteDSP
     from dsp_plugin.backend import current_device, synchronize
@@ -45,9 +48,10 @@ def _worker(rank: int, n: int, frames: int, steps: int, size: int, layers: int) 
     sampler(**kwargs, num_inference_steps=1, generator=torch.Generator().manual_seed(0))   # warm-up
     marks: list[tuple[float, int]] = []
     with CommAccounting(activations=False) as acct:
-        def on_step(i: int, t: object, shard: torch.Tensor) -> None:
+        def on_step(pipe: object, i: int, t: object, kwargs: dict) -> dict:
             synchronize(device)
             marks.append((time.perf_counter(), sum(r.bytes_sent for r in acct.records)))
+            return {}
 
         synchronize(device)
         marks.append((time.perf_counter(), 0))

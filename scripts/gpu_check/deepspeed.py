@@ -38,7 +38,7 @@ def main() -> None:
         env = {**os.environ, "PYTHON": sys.executable, "NPROC": "1", "DSP": "1", "ZERO": str(args.zero),
                "PRECISION": args.precision, "STEPS": str(args.steps), "LAUNCHER": "torchrun",
                "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
-        proc = subprocess.run(["bash", os.path.join(ROOT, "launch/run_deepspeed.sh"), "--losses_json", out],
+        proc = subprocess.run(["bash", os.path.join(ROOT, "launch/run_deepspeed.sh"), "--losses-json", out],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)
         if proc.returncode != 0:
             print(proc.stdout[-3000:], proc.stderr[-6000:])
