@@ -66,6 +66,7 @@ _FOREIGN = {GUARD_MAGIC: "finished the first forward without a DSP primitive and
             PARAMS_MAGIC: "is in reduce_gradients (its forward issued fewer DSP primitives)",
             INPUTS_MAGIC: "is checking the inputs of a parallelized model or a sampler (it entered another call)",
             FAIL_MAGIC: "is handing a rank's own error to every rank (a launch's check before its work)"}
+FOREIGN = _FOREIGN
 
 
 class CrossRankMismatch(ValueError):

@@ -137,6 +137,8 @@ class _State:
     def before(self, _: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or not self.params or _size(self.resolved()) == 1:
             return None
+        if self.late is None and any(is_fake(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+            self.late = set()  # the dry run (plan/dryrun.py) models a steady step: no learning forward, no values
         learn = self.late is None or checks.check_mode() == "always"
         hung = list(range(len(self.params))) if learn else sorted(self.late)  # type: ignore[arg-type]
         if learn and self.mode is None:
@@ -163,8 +165,7 @@ class _State:
         counts = torch.tensor(mode.used, dtype=torch.int64)
         with checks.exchanging():  # agreement, like the checks' exchanges: kept out of the model's traffic counts
             all_reduce_sum(counts, group=group)
-        if is_fake(counts):  # the dry run (plan/dryrun.py): one forward on fake tensors, nothing to read
-            self.late = set()
+        if is_fake(counts):  # the dry run under DSP_CHECK=always: nothing to read
             return
         n = _size(group)
         self.late = {i for i, c in enumerate(counts.tolist()) if (self.unused or c > 0) and c < n}

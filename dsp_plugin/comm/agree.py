@@ -156,8 +156,10 @@ def agree_inputs(name: str, values: dict[str, object], *, group: dist.ProcessGro
     table = exchange_words(words, group=group, device=_exchange_device(None, group))
     foreign = [r for r, row in zip(ranks, table) if row[0] != checks.INPUTS_MAGIC]
     if foreign:
+        known = "".join(f"; rank {r} {checks.FOREIGN[row[0]]}" for r, row in zip(ranks, table)
+                        if row[0] in checks.FOREIGN and row[0] != checks.INPUTS_MAGIC)
         raise checks.CrossRankMismatch(f"{name}: rank(s) {foreign} of group {ranks} are in another collective "
-                                       f"(a DSP primitive or a check) while the others check their inputs; "
+                                       f"(a DSP primitive or a check) while the others check their inputs{known}; "
                                        f"expected every rank to call {name} here")
     message = checks.describe_inputs(name, [row[:len(words)] for row in table], ranks, labels, hint)
     if message is not None:

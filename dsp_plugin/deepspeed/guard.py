@@ -52,17 +52,22 @@ _HANDLES = "_dsp_guard_hooks"
 Device = torch.device | str | Callable[[], torch.device | str]
 
 
+#: Rows of a peer inside DSP's own first-call checks: that peer raises there, so the guard raises at once.
+_IN_DSP = (checks.MAGIC, checks.INPUTS_MAGIC)
+
+
 class DSPGuardError(RuntimeError):
     """The model or the data do not follow DSP's contract; raised identically on every rank."""
 
 
 def _group_verdict(rows: list[list[int]], ranks: list[int], size: int) -> str | None:
     """This DSP group's error from its members' rows (in group order); None when it is DSP-aware."""
-    elsewhere = [r for r, row in zip(ranks, rows) if row[0] == checks.MAGIC]
+    elsewhere = [r for r, row in zip(ranks, rows) if row[0] in _IN_DSP]
     if elsewhere:
-        here = [r for r, row in zip(ranks, rows) if row[0] != checks.MAGIC]
+        here = [r for r, row in zip(ranks, rows) if row[0] not in _IN_DSP]
         return (f"dsp_plugin.deepspeed: the model is DSP-aware on some ranks only: rank(s) {elsewhere} of DSP group "
-                f"{ranks} are inside a DSP primitive (split / dynamic_switch / gather) while rank(s) {here} "
+                f"{ranks} are inside a DSP primitive (split / dynamic_switch / gather, or a parallelized model's "
+                f"input check) while rank(s) {here} "
                 f"finished the first forward without one. Make the same model DSP-aware on every rank "
                 f"(dsp_plugin.parallelize(model) on all of them).")
     unsharded = [r for r, row in zip(ranks, rows) if row[1] == 0]
@@ -122,7 +127,7 @@ def install_guard(module: torch.nn.Module, topology: Topology, *, device: Device
         # 1. the DSP group, in the primitives' check format (a peer may be waiting in split's check)
         mine = exchange_words(row, group=topology.dsp_group, device=where)
         message = _group_verdict(mine, ranks, topology.dsp)
-        if message is not None and any(r[0] == checks.MAGIC for r in mine):
+        if message is not None and any(r[0] in _IN_DSP for r in mine):
             raise DSPGuardError(message)   # that peer raises in its own check: nobody is left waiting
         # 2. the world: every DSP group's verdict, so every rank stops when any group is wrong
         world = exchange_words(row, group=dist.group.WORLD, device=where)

@@ -33,6 +33,7 @@ from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dsp_plugin.checks import exchanging
 from dsp_plugin.collective_bytes import NAMESPACES, OPS
 from dsp_plugin.layout import storage_address
 
@@ -139,8 +140,8 @@ class MemoryTracker(TorchDispatchMode):
         if formula is not None:
             self.flops += formula(*args, **kwargs, out_val=out)
         if getattr(func, "namespace", None) in NAMESPACES and \
-                f"{func.namespace}.{func._schema.name.partition('::')[2]}" in OPS:
-            self.collective_sites.append(self.where())
+                f"{func.namespace}.{func._schema.name.partition('::')[2]}" in OPS and not exchanging.active():
+            self.collective_sites.append(self.where())  # paired with CommAccounting's records (checks kept apart)
         if not self._paused:
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor):
