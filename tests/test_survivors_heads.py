@@ -1,0 +1,121 @@
+"""The head switch's GQA rule and its replicated-token checks, on cases the older tests did not reach.
+
+Issue 29's survivors 4 and 9:
+
+- GQA whose query chunk on one rank straddles K/V groups although its head count
+  is a multiple of its K/V heads (9 query / 3 K/V heads on 2 ranks: rank 1 holds
+  query heads 5..8, which read K/V heads 1, 2, 2, 2; the plain GQA rule on 2 local
+  K/V heads would read 1, 1, 2, 2). Oracle: ``scaled_dot_product_attention`` on the
+  whole sequence with every head, one process, fp64; locally the kernel applies
+  the GQA rule itself (``enable_gqa=True``), as a model's attention does.
+- Joint attention's replicated tokens (``replicated=``) with different token counts
+  for q, k, v, or a shape unlike their shard's: refused by a ``ValueError`` that
+  names the counts, the same on every rank, before the all-to-all.
+
+Every check names the case, the quantity and the rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dsp_plugin import from_heads, to_heads
+from dsp_plugin.checks import forget_signatures
+from tests.distributed import run_distributed
+
+# (tokens, query heads, K/V heads): 9/3 on 2 ranks is survivor 4's case (rank 1: 4 heads over 2 K/V groups,
+# unevenly); the others straddle on 4 ranks, or are aligned (the local rule needs no repeat)
+GQA_CASES = [(5, 9, 3), (6, 6, 2), (7, 12, 4), (4, 10, 2)]
+
+
+def _full(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def _gqa_attention(rank: int, n: int) -> dict[str, float]:
+    """Per case: max |output - oracle| and max |dq, dk, dv - oracle| on this rank's shard."""
+    errors: dict[str, float] = {}
+    for case, (seq, heads, kv_heads) in enumerate(GQA_CASES):
+        batch, size = 2, 4
+        fulls = [_full((batch, h, seq, size), 10 * case + i) for i, h in enumerate((heads, kv_heads, kv_heads))]
+        grad = _full((batch, heads, seq, size), 10 * case + 7)
+        whole = [t.clone().requires_grad_(True) for t in fulls]
+        expected = F.scaled_dot_product_attention(*whole, enable_gqa=True)
+        expected.backward(grad)
+        mine = [t.tensor_split(n, dim=2)[rank].clone().requires_grad_(True) for t in fulls]
+        q, k, v = to_heads(*mine, seq_dim=2, head_dim=1, global_len=seq)
+        out = from_heads(F.scaled_dot_product_attention(q, k, v, enable_gqa=True), seq_dim=2, head_dim=1,
+                         heads=heads)
+        out.backward(grad.tensor_split(n, dim=2)[rank])
+        name = f"{heads} query / {kv_heads} K/V heads, {seq} tokens"
+        errors[f"{name}: output"] = (out - expected.tensor_split(n, dim=2)[rank]).abs().max().item()
+        errors[f"{name}: q, k, v gradients"] = max(
+            (t.grad - ref.grad.tensor_split(n, dim=2)[rank]).abs().max().item() for t, ref in zip(mine, whole))
+    return errors
+
+
+def test_gqa_straddling_groups_attends_like_one_process_on_two_ranks() -> None:
+    _check_gqa(2)
+
+
+def test_gqa_straddling_groups_attends_like_one_process_on_four_ranks() -> None:
+    _check_gqa(4)
+
+
+def _check_gqa(n: int) -> None:
+    for rank, errors in enumerate(run_distributed(_gqa_attention, n)):
+        for what, error in errors.items():
+            assert error < 1e-12, (
+                f"GQA {what} on rank {rank} of {n}: {error:.3g} off one-process SDPA (fp64); local query head i "
+                f"must read the K/V head its global head reads ((first + i) // (H / H_kv))")
+
+
+def _replicated(rank: int, n: int) -> dict[str, str]:
+    """Each bad ``replicated=`` call: the error text this rank raised, or 'no error'."""
+    q = torch.zeros(1, 4, 4, 2)                       # [B, L_local, H, Dh]
+
+    def text(tokens: int) -> torch.Tensor:
+        return torch.zeros(1, tokens, 4, 2)
+
+    rows = {
+        "to_heads: token counts differ": lambda: to_heads(q, q, q, seq_dim=1, head_dim=2, global_len=8,
+                                                          replicated=(text(2), text(3), text(2))),
+        "to_heads: heads differ": lambda: to_heads(q, q, q, seq_dim=1, head_dim=2, global_len=8,
+                                                   replicated=(text(2), text(2), torch.zeros(1, 2, 3, 2))),
+        "to_heads: two tensors": lambda: to_heads(q, q, q, seq_dim=1, head_dim=2, global_len=8,
+                                                  replicated=(text(2), text(2))),
+        "from_heads: heads differ": lambda: from_heads(q, seq_dim=1, head_dim=2, heads=8,
+                                                       replicated=torch.zeros(1, 2, 3, 2)),
+    }
+    out: dict[str, str] = {}
+    for name, call in rows.items():
+        forget_signatures()
+        try:
+            call()
+        except Exception as exc:  # noqa: BLE001 - reported, and compared with the expected refusal
+            out[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        out[name] = "no error"
+        break  # a call that went through may have left the ranks in different collectives: stop here
+    return out
+
+
+REPLICATED_EXPECTED = {
+    "to_heads: token counts differ": "the replicated q, k, v hold [2, 3, 2] tokens on dim 1; expected the same count",
+    "to_heads: heads differ": "the replicated v has shape (1, 2, 3, 2), its shard (1, 4, 4, 2)",
+    "to_heads: two tensors": "replicated=tuple; expected 3 tensors",
+    "from_heads: heads differ": "the replicated out has shape (1, 2, 3, 2), its shard (1, 4, 4, 2)",
+}
+
+
+def test_replicated_tokens_that_do_not_match_are_refused_on_every_rank() -> None:
+    results: list[dict[str, Any]] = run_distributed(_replicated, 2)
+    for name, expected in REPLICATED_EXPECTED.items():
+        for rank, got in enumerate(results):
+            assert expected in got.get(name, "not run (an earlier call was not refused)"), (
+                f"{name}: rank {rank} raised {got.get(name, 'nothing')!r}; expected a refusal naming the replicated tokens "
+                f"({expected!r}) before the all-to-all")
+        assert results[0][name] == results[1][name], f"{name}: the ranks raised different errors: {results}"
