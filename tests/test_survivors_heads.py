@@ -116,6 +116,6 @@ def test_replicated_tokens_that_do_not_match_are_refused_on_every_rank() -> None
     for name, expected in REPLICATED_EXPECTED.items():
         for rank, got in enumerate(results):
             assert expected in got.get(name, "not run (an earlier call was not refused)"), (
-                f"{name}: rank {rank} raised {got.get(name, 'nothing')!r}; expected a refusal naming the replicated tokens "
-                f"({expected!r}) before the all-to-all")
+                f"{name}: rank {rank} raised {got.get(name, 'nothing')!r}; expected a refusal naming the "
+                f"replicated tokens ({expected!r}) before the all-to-all")
         assert results[0][name] == results[1][name], f"{name}: the ranks raised different errors: {results}"
