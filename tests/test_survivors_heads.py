@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -29,8 +30,9 @@ from dsp_plugin.checks import forget_signatures
 from tests.distributed import run_distributed
 from tests.test_heads import _local_heads
 
-# (tokens, query heads, K/V heads): 9/3 on 2 ranks is survivor 4's case (rank 1: 4 heads over 2 K/V groups,
-# unevenly); the others straddle on 4 ranks, or are aligned (the local rule needs no repeat)
+# (tokens, query heads, K/V heads) on 2 ranks: 9/3 is survivor 4's case (rank 1: 4 heads over 2 K/V groups,
+# unevenly); 10/2 straddles with an odd count (5 heads, 1 K/V head each: aligned), 6/2 and 12/4 straddle evenly
+# or not at all (tests/test_heads.py runs 4 ranks: H=10, H_kv=2 straddles there)
 GQA_CASES = [(5, 9, 3), (6, 6, 2), (7, 12, 4), (4, 10, 2)]
 
 
@@ -68,18 +70,25 @@ def _gqa_attention(rank: int, n: int) -> dict[str, float]:
     return errors
 
 
-def test_gqa_straddling_groups_attends_like_one_process_on_two_ranks() -> None:
-    _check_gqa(2)
+def _two_ranks(rank: int, n: int) -> dict[str, Any]:
+    return {"gqa": _gqa_attention(rank, n), "replicated": _replicated(rank, n)}
 
 
-def test_gqa_straddling_groups_attends_like_one_process_on_four_ranks() -> None:
-    _check_gqa(4)
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict[str, Any]]:
+    """The 2-rank cases in one spawn."""
+    return run_distributed(_two_ranks, 2)
 
 
-def _check_gqa(n: int) -> None:
+def test_gqa_straddling_groups_attends_like_one_process_on_two_ranks(two_ranks: list[dict[str, Any]]) -> None:
+    _check_gqa([r["gqa"] for r in two_ranks])
+
+
+def _check_gqa(results: list[dict[str, float]]) -> None:
+    n = len(results)
     wrong = [f"GQA {what} on rank {rank} of {n}" + ("" if error == float("inf") else
                                                        f": {error:.3g} off one-process SDPA (fp64)")
-             for rank, errors in enumerate(run_distributed(_gqa_attention, n))
+             for rank, errors in enumerate(results)
              for what, error in errors.items() if not error < 1e-12]
     assert not wrong, ("local query head i must read the K/V head its global head reads ((first + i) // (H / H_kv)):\n"
                        + "\n".join(sorted(wrong, key=lambda line: "heads after" not in line)))
@@ -123,8 +132,8 @@ REPLICATED_EXPECTED = {
 }
 
 
-def test_replicated_tokens_that_do_not_match_are_refused_on_every_rank() -> None:
-    results: list[dict[str, Any]] = run_distributed(_replicated, 2)
+def test_replicated_tokens_that_do_not_match_are_refused_on_every_rank(two_ranks: list[dict[str, Any]]) -> None:
+    results = [r["replicated"] for r in two_ranks]
     for name, expected in REPLICATED_EXPECTED.items():
         for rank, got in enumerate(results):
             assert expected in got.get(name, "not run (an earlier call was not refused)"), (
