@@ -10,7 +10,9 @@ one process running the same module on the whole sequence (fp64, 1e-9).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -94,8 +96,8 @@ def _movement(rank: int, n: int) -> int:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_data_movement_bit_exact(world_size: int) -> None:
-    assert run_distributed(_movement, world_size) == [len(CASES) + 1] * world_size
+def test_data_movement_bit_exact(spawned: Callable[[int, str], list[Any]], world_size: int) -> None:
+    assert spawned(world_size, "movement") == [len(CASES) + 1] * world_size
 
 
 class _Attention(nn.Module):
@@ -149,8 +151,8 @@ def _attention_case(tokens: int, heads: int, kv_heads: int) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_attention_equals_one_process(world_size: int) -> None:
-    for rank, cases in enumerate(run_distributed(_attention, world_size)):
+def test_attention_equals_one_process(spawned: Callable[[int, str], list[Any]], world_size: int) -> None:
+    for rank, cases in enumerate(spawned(world_size, "attention")):
         for case, errors in zip(ATTENTION_CASES, cases):
             assert max(errors.values()) < 1e-9, (rank, case, errors)
 
@@ -175,9 +177,9 @@ def _counts(rank: int, n: int) -> dict[str, object]:
             "double": torch.equal(x.grad, 8 * x.detach())}
 
 
-def test_one_all_to_all_each_way_and_the_bytes() -> None:
+def test_one_all_to_all_each_way_and_the_bytes(spawned: Callable[[int, str], list[Any]]) -> None:
     n, seq, heads, kv_heads, row = 4, 7, 8, 2, 2 * 3 * 8  # row: batch * head size * 8 bytes
-    for rank, res in enumerate(run_distributed(_counts, n)):
+    for rank, res in enumerate(spawned(n, "counts")):
         assert res["records"] == [("all_to_all", "forward")] * 2 + [("all_to_all", "backward")] * 2, res
         tokens = [2, 2, 2, 1][rank]
         kv = kv_elements_sent(heads=heads, kv_heads=kv_heads, n=n, rank=rank, tokens=tokens, row=row)
@@ -221,8 +223,8 @@ EXPECTED = {
 }
 
 
-def test_bad_inputs_fail_alike_on_every_rank() -> None:
-    results = run_distributed(_bad, 2)
+def test_bad_inputs_fail_alike_on_every_rank(spawned: Callable[[int, str], list[Any]]) -> None:
+    results = spawned(2, "bad")
     for name, expected in EXPECTED.items():
         assert results[0][name] == results[1][name], name
         assert expected in results[0][name], (name, results[0][name])
@@ -245,8 +247,31 @@ def _docs_example(rank: int, n: int) -> bool:
     return True
 
 
-def test_the_api_example_runs_on_two_ranks() -> None:
-    assert run_distributed(_docs_example, 2) == [True, True]
+def test_the_api_example_runs_on_two_ranks(spawned: Callable[[int, str], list[Any]]) -> None:
+    assert spawned(2, "docs") == [True, True]
+
+
+#: what each world's one spawn runs, in turn on the same processes (starting processes dominates the cost)
+_SPAWNS = {2: ("movement", "attention", "bad", "docs"), 4: ("movement", "attention", "counts")}
+
+
+def _spawn(rank: int, n: int) -> dict[str, Any]:
+    workers = {"movement": _movement, "attention": _attention, "counts": _counts, "bad": _bad,
+               "docs": _docs_example}
+    return {name: workers[name](rank, n) for name in _SPAWNS[n]}
+
+
+@pytest.fixture(scope="module")
+def spawned() -> Callable[[int, str], list[Any]]:
+    """``spawned(n, part)``: that part's result on each rank, from one spawn per world size."""
+    runs: dict[int, list[dict[str, Any]]] = {}
+
+    def get(n: int, part: str) -> list[Any]:
+        if n not in runs:
+            runs[n] = run_distributed(_spawn, n)
+        return [result[part] for result in runs[n]]
+
+    return get
 
 
 def test_straddling_kv_heads_are_repeated_without_an_index_tensor(monkeypatch: pytest.MonkeyPatch) -> None:

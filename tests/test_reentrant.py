@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -55,8 +57,8 @@ def _double_backward(rank: int, n: int) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_gradient_penalty_matches_single_process(world_size: int) -> None:
-    for d in run_distributed(_double_backward, world_size):
+def test_gradient_penalty_matches_single_process(spawned: Callable[[int, str], list[Any]], world_size: int) -> None:
+    for d in spawned(world_size, "double_backward"):
         assert d["norm"] > 0.1
         for key in ("penalty", "grad_x", "w1", "w2"):
             assert d[key] < 1e-9, (key, d)
@@ -129,9 +131,12 @@ def _two_forwards_in_flight(rank: int, n: int, how: str) -> dict[str, float]:
     return {"loss": abs(losses[0].item() - losses[1].item()), "grad": max(grads)}
 
 
-@pytest.mark.parametrize("how", ["plain", "keywords", "non_reentrant", "reentrant"])
-def test_two_lengths_in_flight(how: str) -> None:
-    for d in run_distributed(_two_forwards_in_flight, 2, how):
+HOWS = ["plain", "keywords", "non_reentrant", "reentrant"]
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_two_lengths_in_flight(spawned: Callable[[int, str], list[Any]], how: str) -> None:
+    for d in spawned(2, f"in_flight {how}"):
         assert d["loss"] < TOL and d["grad"] < TOL, (how, d)
 
 
@@ -160,8 +165,8 @@ def _threads(rank: int, n: int) -> list[bool]:
     return results
 
 
-def test_threads_keep_their_own_lengths() -> None:
-    assert run_distributed(_threads, 2) == [[True, True], [True, True]]
+def test_threads_keep_their_own_lengths(spawned: Callable[[int, str], list[Any]]) -> None:
+    assert spawned(2, "threads") == [[True, True], [True, True]]
 
 
 # --------------------------------------------------------------------------- overlap
@@ -187,7 +192,38 @@ def _overlap(rank: int, n: int, chunks: int) -> list[bool]:
             torch.allclose(grads[0][1], grads[1][1], atol=1e-12)]
 
 
-@pytest.mark.parametrize("chunks", [2, 3])
-def test_overlapped_switch_equals_switch_then_fn(chunks: int) -> None:
-    for res in run_distributed(_overlap, 2, chunks):
+CHUNKS = [2, 3]
+
+
+@pytest.mark.parametrize("chunks", CHUNKS)
+def test_overlapped_switch_equals_switch_then_fn(spawned: Callable[[int, str], list[Any]], chunks: int) -> None:
+    for res in spawned(2, f"overlap {chunks}"):
         assert res == [True, True, True]
+
+
+# --------------------------------------------------------------------------- one spawn per world size
+
+
+def _spawn(rank: int, n: int) -> dict[str, Any]:
+    """Every case of this file for world size ``n``, in turn on the same processes (starting them dominates)."""
+    out: dict[str, Any] = {"double_backward": _double_backward(rank, n)}
+    if n == 2:
+        for how in HOWS:
+            out[f"in_flight {how}"] = _two_forwards_in_flight(rank, n, how)
+        out["threads"] = _threads(rank, n)
+        for chunks in CHUNKS:
+            out[f"overlap {chunks}"] = _overlap(rank, n, chunks)
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned() -> Callable[[int, str], list[Any]]:
+    """``spawned(n, case)``: that case's result on each rank, from one spawn per world size."""
+    runs: dict[int, list[dict[str, Any]]] = {}
+
+    def get(n: int, case: str) -> list[Any]:
+        if n not in runs:
+            runs[n] = run_distributed(_spawn, n)
+        return [result[case] for result in runs[n]]
+
+    return get

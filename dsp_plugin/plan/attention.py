@@ -111,7 +111,7 @@ class HeadsCall:
         text = tuple(t.narrow(seq, text_at, count).unflatten(seq, whole) for t in (q, k, v)) if self.joint else ()
         switched = recompute.replay((self.where, "to_heads", call), lambda *qkv: _to_heads(
             *qkv[:3], seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis],
-            replicated=qkv[3:] or None), *own, *text, enabled=k.shape[head] == heads)
+            replicated=qkv[3:] or None), *own, *text)
 
         def joined(tokens: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
             tokens = tokens.flatten(seq, seq + width - 1)

@@ -41,7 +41,10 @@ the region goes on (a checkpoint around several blocks) or early stop is off.
 
 Not covered: reentrant checkpointing (``use_reentrant=True``, Megatron's and DeepSpeed's) runs its forward
 without grad, where nothing is kept, so its recompute issues the collectives (exact,
-as before); GQA head switches (``to_heads`` saves an index there).
+as before). GQA head switches are replayed like the others, evenly split or not: a
+rank whose query heads straddle K/V groups repeats its K/V heads with expanded views,
+which save no tensor, so the checkpoint's recompute saves what its forward saved
+(``tests/test_survivors_plan.py``; an ``index_select`` there broke that).
 """
 
 from __future__ import annotations
