@@ -142,3 +142,20 @@ log.warning("every rank", extra={"all_ranks": True})
     outs = [subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
                            env=dict(os.environ, PYTHONPATH=str(ROOT), RANK=str(r))).stdout for r in (0, 1)]
     assert outs == ["said by 0\n[rank 0] every rank\n", "[rank 1] every rank\n"], outs
+
+
+def _returns_per_rank_results() -> list[dict[str, int]]:
+    return [{"rank": 0}, {"rank": 1}]
+
+
+def test_a_console_script_exits_0_when_its_main_returns_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The console-script wrapper calls sys.exit(cli.<script>()): a list there printed itself and exited 1."""
+    from dsp_plugin.launch import cli
+
+    monkeypatch.setitem(cli.SCRIPTS, "dsp-sample", ("tests.test_cli:_returns_per_rank_results",
+                                                    *cli.SCRIPTS["dsp-sample"][1:]))
+    monkeypatch.setattr(sys, "argv", ["dsp-sample"])
+    monkeypatch.setattr(cli, "require_extra", lambda prog: None)
+    with pytest.raises(SystemExit) as exited:
+        sys.exit(cli.sample())
+    assert exited.value.code is None

@@ -74,7 +74,10 @@ def _run(prog: str) -> object:
         raise SystemExit(0)
     require_extra(prog)
     module, function = SCRIPTS[prog][0].split(":")
-    return getattr(importlib.import_module(module), function)()
+    result = getattr(importlib.import_module(module), function)()
+    # the console-script wrapper hands this to sys.exit: a main's results (a list of per-rank dicts) would print
+    # and exit 1; only an int is an exit status
+    return result if type(result) is int else None
 
 
 def train() -> object:
