@@ -11,12 +11,15 @@ install itself is measured by hand (CHANGELOG / report).
 from __future__ import annotations
 
 import email
+import importlib.metadata as md
+import inspect
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,11 +27,9 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 
 CORE = ["numpy", "torch"]
 
-_PROBE = r"""
-import importlib.abc, importlib.metadata as md, sys
-from packaging.requirements import Requirement
 
-def closure(names):
+def closure(names: list[str]) -> set[str]:
+    """The distributions ``names`` need: themselves and their requirements (no extras), transitively."""
     seen, todo = set(), list(names)
     while todo:
         name = todo.pop().lower().replace("_", "-")
@@ -39,12 +40,15 @@ def closure(names):
             reqs = md.requires(name) or []
         except md.PackageNotFoundError:
             continue
-        for line in reqs:
-            req = Requirement(line)
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                todo.append(req.name)
+        todo += [r.name for r in map(Requirement, reqs) if r.marker is None or r.marker.evaluate({"extra": ""})]
     return seen
 
+
+_PROBE = r"""
+import importlib.abc, importlib.metadata as md, sys
+from packaging.requirements import Requirement
+
+{closure}
 allowed = closure(sys.argv[1].split(",")) | {"dsp-plugin"}
 owners = md.packages_distributions()
 
@@ -64,7 +68,7 @@ x = torch.randn(2, 4, 6, 8)
 y = dynamic_switch(split(x, tgt_shard=1), cur_shard=1, tgt_shard=2)
 assert torch.equal(gather(y, cur_shard=2), x)
 print("core ok", dsp_plugin.__version__)
-"""
+""".replace("{closure}", inspect.getsource(closure))
 
 
 def test_core_imports_only_declared_dependencies():

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from tests.test_install import _metadata, wheel  # noqa: F401  (the fixture)
+from tests.test_install import _metadata, closure, wheel  # noqa: F401  (the fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,21 +37,6 @@ with tempfile.TemporaryDirectory() as tmp:
     assert os.path.getsize(f"{tmp}/v.mp4") > 0
 print("diffusers extra ok")
 """
-
-
-def _closure(names: list[str], extra: str = "") -> set[str]:
-    seen, todo = set(), list(names)
-    while todo:
-        name = todo.pop().lower().replace("_", "-")
-        if name in seen:
-            continue
-        seen.add(name)
-        try:
-            reqs = md.requires(name) or []
-        except md.PackageNotFoundError:
-            continue
-        todo += [r.name for r in map(Requirement, reqs) if r.marker is None or r.marker.evaluate({"extra": ""})]
-    return seen
 
 
 def _site(dists: set[str], where: Path) -> Path:
@@ -79,7 +64,7 @@ def test_diffusers_extra_runs_from_pretrained_and_writes_mp4(wheel: Path, tmp_pa
              if 'extra == "diffusers"' in r]
     core = [Requirement(r).name for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
     assert {"accelerate", "imageio", "imageio-ffmpeg"} <= set(extra), extra
-    site = _site(_closure(core + extra), tmp_path)
+    site = _site(closure(core + extra), tmp_path)
     done = subprocess.run([sys.executable, "-S", "-c", _CHECK, str(site), str(ROOT)], capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0 and "diffusers extra ok" in done.stdout, done.stderr[-3000:]
