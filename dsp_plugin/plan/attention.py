@@ -181,6 +181,29 @@ class _HeadSwitchMode(TorchFunctionMode):
         return self.call.attend(lambda q, k, v, m: func(q, k, v, attn_mask=m, **sdpa), q, k, v, mask, seq=2, head=1)
 
 
+class EmptyShardMode(TorchFunctionMode):
+    """``scaled_dot_product_attention`` over no queries, inside a block whose shard is empty on this rank.
+
+    A rank's shard is empty when the group has more ranks than the sharded axis has positions. Seen on an
+    NVIDIA H200 with torch 2.11 (``scripts/gpu_check/attention.py``): cuDNN's kernel and SDPA's default
+    choice return None for a batch of 0 or no heads, and flash attention kills the process (SIGFPE) on no
+    heads. Attention over no queries is empty whatever the kernel, so it is returned without calling one,
+    still in the autograd graph (q, k and v get their empty gradients). A ``Heads`` call inside passes
+    through: the head switch gathers the sequence before its kernel, and skips a rank with no head itself.
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if func is not F.scaled_dot_product_attention or current_call() is not None:
+            return func(*args, **kwargs)
+        sdpa = dict(zip(_SDPA, args)) | kwargs
+        q, k, v = sdpa["query"], sdpa["key"], sdpa["value"]
+        if q.numel():
+            return func(*args, **kwargs)
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]) + (q.sum() + k.sum() + v.sum()).to(q.dtype) * 0
+
+
 def current_call() -> HeadsCall | None:
     """The innermost ``Heads`` module call of this thread, or None."""
     calls = getattr(_local, "calls", None)

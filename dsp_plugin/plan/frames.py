@@ -28,7 +28,8 @@ _local = threading.local()
 
 
 def frames() -> list[Any]:
-    """This thread's stack: ``sharded_io`` scopes, ``Frame`` records, and ``("block", spec, grid, shard)``."""
+    """This thread's stack: ``sharded_io`` scopes, ``Frame`` records, and ``("block", spec, grid, shard, state)``
+    (``state``: ``{"empty": this rank's shard is empty, "mode": the EmptyShardMode open for it}``)."""
     if not hasattr(_local, "frames"):
         _local.frames = []
     return _local.frames

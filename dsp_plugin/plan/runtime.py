@@ -42,7 +42,7 @@ from dsp_plugin.plan.args import Args as _Args
 from dsp_plugin.plan.args import expand
 from dsp_plugin.plan.args import map_tensors as _map_tensors
 from dsp_plugin.plan.args import tensors as _tensors
-from dsp_plugin.plan.attention import enter_heads, exit_heads
+from dsp_plugin.plan.attention import EmptyShardMode, enter_heads, exit_heads
 from dsp_plugin.plan.frames import Frame, OnShard, current_block, current_io, frames, sharded_io
 from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
 from dsp_plugin.plan.placement import complete as _complete
@@ -152,13 +152,29 @@ class _Runtime:
                 if frame is not None and frame.sharded_io and isinstance(x, torch.Tensor):
                     shape = [frame.grid[spec.dims[d]] if d in spec.dims else x.shape[d] for d in range(x.dim())]
                     a.set(spec.arg, x.new_zeros(()).expand(shape))  # the global shape, no memory
+        if not any(isinstance(spec, Heads) for spec in specs):
+            entry = self._block_entry(specs)
+            if entry is not None and entry[4]["empty"]:   # entered last, left first (post): the mode stack's order
+                entry[4]["mode"] = EmptyShardMode()
+                entry[4]["mode"].__enter__()
         return a.out()
+
+    @staticmethod
+    def _block_entry(specs: list[Any]) -> tuple[Any, ...] | None:
+        """This module's open ``("block", ...)`` frame, or None."""
+        block = next((spec for spec in specs if isinstance(spec, Block)), None)
+        return None if block is None else next(
+            (f for f in reversed(frames()) if isinstance(f, tuple) and f[0] == "block" and f[1] is block), None)
 
     def post(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              output: Any) -> Any:
         # inside out, whatever the plan's order: the head switch's call closes, then the block (which tags
         # its activation), then the module's output is split or gathered
         error: Exception | None = None
+        entry = self._block_entry(specs)
+        if entry is not None and entry[4]["mode"] is not None:
+            entry[4]["mode"].__exit__(None, None, None)
+            entry[4]["mode"] = None
         for spec in reversed(specs):
             if isinstance(spec, Heads):
                 try:
@@ -254,7 +270,7 @@ class _Runtime:
             c = a.get(name)
             if isinstance(c, torch.Tensor) and shard in rows.axes:
                 a.set(name, _split_rows(f"{path}: follow {name!r}", c, rows, grid, shard, self.group))
-        frames().append(("block", spec, grid, shard))
+        frames().append(("block", spec, grid, shard, {"empty": x.numel() == 0, "mode": None}))
 
     def on_shard(self, path: str, a: _Args, spec: OnShard, original: Any) -> None:
         frame = self.frame()
@@ -281,7 +297,7 @@ class _Runtime:
         if entry is None:
             return output
         stack.remove(entry)
-        _, _, grid, shard = entry
+        _, _, grid, shard, _ = entry
         if output is None:
             return None
         first = output[0] if isinstance(output, tuple) else output
