@@ -26,7 +26,7 @@ G=scripts/gpu_check
 # name | command. Order: risk (an import against this torch first, sampling last).
 STEPS=(
     "te|$P $G/te_import.py"
-    "pytest-gpu|$P -m pytest -q -m gpu tests"
+    "pytest-gpu|$P -m pytest -q -m gpu \$(grep -l 'mark.gpu' tests/test_*.py)"
     "megatron-te-fp8|$P $G/megatron.py te-fp8"
     "megatron-distopt|$P $G/megatron.py distopt"
     "megatron-dsp2-gloo|$P $G/megatron.py dsp2"
@@ -37,6 +37,7 @@ STEPS=(
     "deepspeed-zero3-bf16|$P $G/deepspeed.py --zero 3 --precision bf16"
     "attention|$P $G/attention.py"
     "sampling|$P $G/sampling.py"
+    "figures|$P $G/figures.py"
 )
 
 DRY=0
@@ -71,9 +72,10 @@ if (( DRY )); then
     exit 0
 fi
 
-if compgen -G ".whl/*.whl" > /dev/null; then   # wheels carried to a device machine
-    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-        .whl/*.whl || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 1; }
+if compgen -G ".whl/*.whl" > /dev/null; then   # wheels carried to a device machine, installed once per machine
+    [[ -f /tmp/site/.gpu_check_installed ]] || "$PYTHON" -m pip install -q --no-index --no-deps --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || { echo "gpu_check.sh: installing .whl/ failed" >&2; exit 1; }
+    touch /tmp/site/.gpu_check_installed
     export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1

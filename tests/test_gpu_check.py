@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts/gpu_check.sh"
 STEPS = ["te", "pytest-gpu", "megatron-te-fp8", "megatron-distopt", "megatron-dsp2-gloo", "primitives",
          "deepspeed-zero2-fp16", "deepspeed-zero2-bf16", "deepspeed-zero3-fp16", "deepspeed-zero3-bf16",
-         "attention", "sampling"]
+         "attention", "sampling", "figures"]
 
 
 def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -61,6 +61,7 @@ def test_attention_check_reduced_on_the_cpu() -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "figure: 12/12 kernel runs within 1e-05 of fp32 math" in proc.stdout
+    assert "figure: 16/16 kernel runs within 1e-05 of fp32 math" in proc.stdout
+    assert "empty shard default: max error 0.0e+00, shape (0, 2, 8, 64)" in proc.stdout
     assert "empty shard math: max error 0.0e+00, shape (0, 2, 8, 64)" in proc.stdout
     assert "no head math: max error 0.0e+00, shape (4, 0, 8, 64)" in proc.stdout

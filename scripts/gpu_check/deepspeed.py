@@ -22,6 +22,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from scripts.gpu_check.megatron import free_port  # noqa: E402
 from scripts.gpu_check.report import finish, skip  # noqa: E402
 
 
@@ -36,7 +37,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "losses.json")
         env = {**os.environ, "PYTHON": sys.executable, "NPROC": "1", "DSP": "1", "ZERO": str(args.zero),
-               "PRECISION": args.precision, "STEPS": str(args.steps), "LAUNCHER": "torchrun",
+               "PRECISION": args.precision, "ITERS": str(args.steps), "LAUNCHER": "torchrun",
+               "MASTER_PORT": free_port(),   # steps may run side by side on one machine
                "PATH": f"{os.path.dirname(sys.executable)}:{os.environ.get('PATH', '')}"}
         proc = subprocess.run(["bash", os.path.join(ROOT, "launch/run_deepspeed.sh"), "--losses-json", out],
                               cwd=ROOT, env=env, capture_output=True, text=True, timeout=540)

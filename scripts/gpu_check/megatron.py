@@ -84,6 +84,8 @@ def main() -> None:
         finish(ok, f"{knobs} {' '.join(extra + more)}: loss {curve(got)}")
     reference = losses([launch(single, extra)])
     nodes = {"NPROC": "1", "NNODES": "2", "DSP": "2", "MASTER_PORT": free_port(), **knobs}
+    shim = os.path.join(ROOT, "scripts/gpu_check/gloo_cuda")     # gloo's coalesced all-reduce on CUDA (see there)
+    nodes["PYTHONPATH"] = f"{shim}:{os.environ.get('PYTHONPATH', '')}"
     got = losses([launch(nodes, [*extra, "--distributed-backend", "gloo"], node_rank=r) for r in (0, 1)])
     worst = max(abs(got[i] - reference[i]) / max(abs(reference[i]), 1e-6) for i in reference if i in got)
     finish(set(got) == set(reference) and worst <= TOLERANCE,

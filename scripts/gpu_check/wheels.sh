@@ -15,6 +15,6 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --p
            --platform manylinux2014_x86_64)
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${PLATFORMS[@]}" -d .whl "$(pin megatron-core)" "$(pin diffusers)" "$(pin hjson)" "$(pin pydantic)" \
-    "$(pin pydantic_core)" "$(pin annotated-types)" "$(pin typing-inspection)"
+    "$(pin pydantic_core)" "$(pin annotated-types)" "$(pin typing-inspection)" "$(pin importlib_metadata)"
 "$PYTHON" -m pip wheel -q --no-deps --no-build-isolation -w .whl "$(pin deepspeed)"
 du -sh .whl && ls .whl
