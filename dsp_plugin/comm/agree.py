@@ -11,6 +11,7 @@ all_gather (``dsp_plugin.comm.collectives``).
 from __future__ import annotations
 
 import operator
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -63,8 +64,11 @@ def _exchange(fingerprint: list[int], device: torch.device, group: dist.ProcessG
     table = torch.empty(n * mine.numel(), dtype=torch.int64, device=device)
     with checks.exchanging():
         _all_gather_tensor(table, mine, group)
-    released(group, table, mine)   # an error raised next may end the process: leave gloo holding nothing
-    return table.view(n, -1).tolist()
+    rows = table.view(n, -1).tolist()
+    refs = [weakref.ref(table), weakref.ref(mine)]
+    del table, mine
+    released(group, refs)   # an error raised next may end the process: leave gloo holding nothing
+    return rows
 
 
 def exchange_words(words: list[int], *, group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,22 +38,29 @@ def _naming_peers(fn: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
-def released(group: dist.ProcessGroup | None, *tensors: torch.Tensor, timeout_s: float = 1.0) -> None:
-    """Return once no thread of gloo's process group holds ``tensors`` any more (the caller holds one reference each).
+def released(group: dist.ProcessGroup | None, refs: Sequence[weakref.ref[torch.Tensor]], *,
+             timeout_s: float = 1.0) -> None:
+    """Return once gloo's worker threads have let go of the collective's tensors that ``refs`` point to.
 
     A gloo collective's work keeps its tensors until the worker thread that ran it drops the work, a few
-    microseconds *after* the caller's ``wait`` returned (measured: 1-2 % of the checks' all_gathers still
-    held when the exchange returned). The tensors' Python objects are then kept alive for that thread to
-    release, which takes the GIL. If the process is exiting by then (a check's error raised right after
-    the exchange, uncaught), the interpreter is finalizing, the thread cannot take the GIL and ends
-    inside a ``noexcept`` destructor: ``terminate called without an active exception``, SIGABRT (issue
-    25 item 10). Waiting here (with the GIL released) makes the exchange leave nothing behind.
-    Only for gloo on CPU: NCCL's work is released by its watchdog, later, and a fake group never.
+    microseconds *after* the caller's ``wait`` returned (measured: 13-30 % of ``all_gather_rows`` calls,
+    11-16 % of ``all_reduce_mean`` calls still held on return). A tensor's Python object is kept alive
+    while C++ holds it, so the drop decrefs it, which takes the GIL. If the process is exiting by then
+    (a check's error raised right after the exchange, uncaught; a rank leaving right after a checkpoint's
+    last gather), the thread, blocked on the GIL, is given it only once the interpreter is finalizing,
+    and exits there inside a ``noexcept`` destructor: ``terminate called without an active exception``,
+    SIGABRT (issue 25 item 10; ``examples/train_wan_deepspeed.py`` on a busy machine). Waiting here, with
+    the GIL released, makes the collective leave nothing behind.
+
+    The caller keeps weak references only (it has dropped its own): a tensor's Python object dies exactly
+    when gloo's thread has dropped it, GIL step included. Its C++ use count would not do: it falls to one
+    *before* the thread takes the GIL. Only for gloo: NCCL's work is released by its watchdog, later, and
+    a fake group never.
     """
-    if not tensors or any(t.device.type != "cpu" for t in tensors) or dist.get_backend(group) != "gloo":
+    if not refs or dist.get_backend(group) != "gloo":
         return
     deadline = time.monotonic() + timeout_s
-    while any(t._use_count() > 1 for t in tensors) and time.monotonic() < deadline:
+    while any(ref() is not None for ref in refs) and time.monotonic() < deadline:
         time.sleep(1e-4)   # a real wait: sleep(0) hands the GIL back before a waiting thread can take it
 
 
@@ -87,12 +95,19 @@ def broadcast(tensor: torch.Tensor, *, group: dist.ProcessGroup) -> None:
 
 @_naming_peers
 def all_reduce_mean(tensor: torch.Tensor, *, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """Mean of ``tensor`` over ``group`` (a new tensor; for logging losses across DP ranks)."""
-    out = tensor.detach().clone()
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        out.div_(dist.get_world_size(group))
-    return out
+    """Mean of ``tensor`` over ``group`` (a new tensor; for logging losses across DP ranks).
+
+    Often a run's last collective (the last step's loss): it returns only once gloo has let go (``released``).
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return tensor.detach().clone()
+    summed = tensor.detach().clone()
+    dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=group)
+    mean = summed / dist.get_world_size(group)   # a tensor gloo never held
+    refs = [weakref.ref(summed)]
+    del summed
+    released(group, refs)
+    return mean
 
 
 @_naming_peers

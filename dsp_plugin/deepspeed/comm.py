@@ -10,8 +10,12 @@ written"). The first-forward guard exchanges through ``dsp_plugin.comm.exchange_
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
+
+from dsp_plugin.comm.collectives import released
 
 __all__ = ["all_gather_rows"]
 
@@ -19,9 +23,15 @@ __all__ = ["all_gather_rows"]
 def all_gather_rows(row: torch.Tensor, *, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Every rank's 1-D ``row`` (same length on all ranks), stacked in group-rank order: ``[n, len]``.
 
-    The list form of ``all_gather``, which gloo supports as well as NCCL.
+    The list form of ``all_gather``, which gloo supports as well as NCCL. A checkpoint save ends with
+    one, and a rank may leave right after it: it returns only once gloo has let go of its tensors
+    (``dsp_plugin.comm.collectives.released``; else a busy machine aborts that rank at exit).
     """
-    row = row.contiguous()
-    rows = [torch.empty_like(row) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(rows, row, group=group)
-    return torch.stack(rows)
+    mine = row.detach().clone(memory_format=torch.contiguous_format)   # only gloo and this call hold it
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=group)
+    table = torch.stack(rows)
+    refs = [weakref.ref(t) for t in (mine, *rows)]
+    del mine, rows
+    released(group, refs)
+    return table
