@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from dsp_plugin import layout
+from dsp_plugin.comm import payload
 from dsp_plugin.comm.agree import _agree, _check_global_len, _check_tensor, _normalize_dim
 from dsp_plugin.comm.collectives import _all_gather_tensor, all_to_all_single
 from dsp_plugin.comm.group_resolution import _member
@@ -109,7 +110,7 @@ def _gather(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup, n: i
 
 
 def _switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.ProcessGroup, n: int, rank: int,
-            fold_for: int | None = None) -> torch.Tensor:
+            fold_for: int | None = None, wire: torch.dtype | None = None) -> torch.Tensor:
     """S(cur) -> S(tgt): one all_to_all_single between one pack and one unpack (see ``packing``).
 
     Shapes (other dims elided; c_i = rank i's chunk of cur, t_j = rank j's chunk of tgt):
@@ -119,8 +120,15 @@ def _switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.Proc
       out  [.., C_full, .., t_rank, ..] = recv blocks concatenated along cur
     """
     plan = _SwitchBuffers(x, cur, tgt, cur_full, n, rank)
-    all_to_all_single(plan.recv, plan.send, recv_splits=plan.recv_splits, send_splits=plan.send_splits,
-                      group=group)
+    if wire is None:
+        all_to_all_single(plan.recv, plan.send, recv_splits=plan.recv_splits, send_splits=plan.send_splits,
+                          group=group)
+    else:  # the same blocks, each sent as ``wire`` bytes and its scale (``payload``)
+        send_sizes = plan.send_splits or [plan.send.numel() // n] * n
+        recv_sizes = plan.recv_splits or [plan.recv.numel() // n] * n
+        rows = [[block] for block in plan.send.split(send_sizes)]
+        received = payload.exchange(rows, [[(size,)] for size in recv_sizes], [wire], group, rank)
+        plan.recv = torch.cat([row[0] for row in received])
     return plan.unpack(fold_for)
 
 
@@ -170,15 +178,17 @@ class _Gather(torch.autograd.Function):
 
 class _Switch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cur, tgt, cur_full, group, n, rank, fold_for):  # type: ignore[override]
-        ctx.cur, ctx.tgt, ctx.group, ctx.n, ctx.rank = cur, tgt, group, n, rank
+    def forward(ctx, x, cur, tgt, cur_full, group, n, rank, fold_for, wire=None):  # type: ignore[override]
+        ctx.cur, ctx.tgt, ctx.group, ctx.n, ctx.rank, ctx.wire = cur, tgt, group, n, rank, wire
         ctx.tgt_full = x.shape[tgt]
-        return _switch(x, cur, tgt, cur_full, group, n, rank, fold_for)
+        return _switch(x, cur, tgt, cur_full, group, n, rank, fold_for,
+                       None if wire is None else wire.forward)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        grad = _Switch.apply(grad, ctx.tgt, ctx.cur, ctx.tgt_full, ctx.group, ctx.n, ctx.rank, None)
-        return grad, None, None, None, None, None, None, None
+        wire = None if ctx.wire is None else ctx.wire.reversed()
+        grad = _Switch.apply(grad, ctx.tgt, ctx.cur, ctx.tgt_full, ctx.group, ctx.n, ctx.rank, None, wire)
+        return grad, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -273,7 +283,7 @@ def _prepare_switch(name: str, x: object, cur_shard: object, tgt_shard: object,
 
 def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
                    group: dist.ProcessGroup | None = None, global_len: int | None = None,
-                   fold_for: int | None = None) -> torch.Tensor:
+                   fold_for: int | None = None, comm_dtype: object = None) -> torch.Tensor:
     """Shard(cur_shard) -> Shard(tgt_shard) with one ``all_to_all_single``.
 
     Every rank sends (N-1)/N of its shard: M(N-1)/N^2 bytes per rank for an
@@ -282,14 +292,20 @@ def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
     lays the output out in memory with dim ``a`` second to last, so a block that
     attends along ``a`` folds the other dims into its batch without a copy
     (``dsp_plugin.packing.join_blocks``). Backward is the switch with the two
-    dims exchanged. A size-1 group returns ``x``.
+    dims exchanged. A size-1 group returns ``x``. ``comm_dtype="fp8"`` sends the
+    blocks as FP8 with a scale each, forward and backward (``dsp_plugin.comm.payload``).
     """
-    def options(x: torch.Tensor) -> int | None:
-        return None if fold_for is None else _normalize_dim("dynamic_switch", "fold_for", fold_for, x.dim())
+    def options(x: torch.Tensor) -> tuple[int | None, payload.Payload | None]:
+        wire = payload.as_payload("dynamic_switch", comm_dtype)
+        if wire is not None and not x.is_floating_point():
+            raise ValueError(f"dynamic_switch: comm_dtype={comm_dtype!r} on a {x.dtype} tensor; expected a "
+                             f"floating-point activation")
+        return (None if fold_for is None else _normalize_dim("dynamic_switch", "fold_for", fold_for, x.dim()),
+                wire)
 
     call = _prepare_switch("dynamic_switch", x, cur_shard, tgt_shard, group, global_len, options)
     if call is None:
         return x
-    cur, tgt, cur_full, group, n, rank, fold_for = call
-    out = _Switch.apply(x, cur, tgt, cur_full, group, n, rank, fold_for)
+    cur, tgt, cur_full, group, n, rank, (fold_for, wire) = call
+    out = _Switch.apply(x, cur, tgt, cur_full, group, n, rank, fold_for, wire)
     return layout.attach(out, tgt, x.shape[tgt])
