@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from dsp_plugin import layout
-from dsp_plugin.comm import payload
+from dsp_plugin.comm import payload, traced
 from dsp_plugin.comm.agree import _agree, _check_global_len, _check_tensor, _normalize_dim
 from dsp_plugin.comm.collectives import _all_gather_tensor, all_to_all_single
 from dsp_plugin.comm.group_resolution import _member
@@ -205,6 +205,9 @@ def split(x: torch.Tensor, tgt_shard: int, *, group: dist.ProcessGroup | None = 
     all_gather). A size-1 group returns ``x``.
     """
     group, n, rank = _member("split", group)
+    if torch.compiler.is_compiling():
+        return x if n == 1 else traced.traced_split(x, _normalize_dim("split", "tgt_shard", tgt_shard, x.dim()),
+                                                    group, n, rank)
     error, dim = None, -1
     try:
         x = _check_tensor("split", x)
@@ -230,6 +233,9 @@ def gather(x: torch.Tensor, cur_shard: int, *, group: dist.ProcessGroup | None =
     rank's chunk of the gradient. A size-1 group returns ``x``.
     """
     group, n, rank = _member("gather", group)
+    if torch.compiler.is_compiling():
+        dim = _normalize_dim("gather", "cur_shard", cur_shard, x.dim())
+        return x if n == 1 else traced.traced_gather(x, dim, _traced_len("gather", global_len), group, n, rank)
     error, dim, known = None, -1, None
     try:
         x = _check_tensor("gather", x)
@@ -245,6 +251,14 @@ def gather(x: torch.Tensor, cur_shard: int, *, group: dist.ProcessGroup | None =
         known = layout.global_len_of(x, dim)
     full = _agree("gather", x, cur=dim, tgt=-1, known_len=known, group=group, n=n, rank=rank, error=error)
     return _Gather.apply(x, dim, full, group, n, rank)
+
+
+def _traced_len(name: str, global_len: int | None) -> int:
+    """The full length a traced primitive needs at trace time: tags are not read inside a compiled region."""
+    if global_len is None:
+        raise ValueError(f"{name}: global_len=None under torch.compile; expected the full length of the sharded "
+                         f"dim (a compiled region reads no shard tag and asks no group: that would be a host sync)")
+    return global_len
 
 
 def _prepare_switch(name: str, x: object, cur_shard: object, tgt_shard: object,
@@ -295,6 +309,17 @@ def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
     dims exchanged. A size-1 group returns ``x``. ``comm_dtype="fp8"`` sends the
     blocks as FP8 with a scale each, forward and backward (``dsp_plugin.comm.payload``).
     """
+    if torch.compiler.is_compiling():
+        group, n, rank = _member("dynamic_switch", group)
+        if comm_dtype is not None:
+            raise ValueError(f"dynamic_switch: comm_dtype={comm_dtype!r} under torch.compile; the FP8 payload "
+                             f"runs in eager only so far (expected comm_dtype=None in a compiled region)")
+        cur = _normalize_dim("dynamic_switch", "cur_shard", cur_shard, x.dim())
+        tgt = _normalize_dim("dynamic_switch", "tgt_shard", tgt_shard, x.dim())
+        if n == 1:
+            return x
+        return traced.traced_switch(x, cur, tgt, _traced_len("dynamic_switch", global_len), group, n, rank)
+
     def options(x: torch.Tensor) -> tuple[int | None, payload.Payload | None]:
         wire = payload.as_payload("dynamic_switch", comm_dtype)
         if wire is not None and not x.is_floating_point():
