@@ -170,6 +170,14 @@ def _exchange_blocks(blocks: list[list[torch.Tensor]], recv_shapes: list[list[li
     """
     if any(f is not None for f in ex.formats):
         return payload.exchange(blocks, recv_shapes, ex.formats, ex.group, ex.rank)
+    if torch.compiler.is_compiling():  # traced: torch ops around a functional all-to-all (comm/traced.py)
+        send = torch.cat([block.reshape(-1) for row in blocks for block in row])
+        recv_splits = [sum([math.prod(shape) for shape in row]) for row in recv_shapes]
+        recv = collectives.traced_all_to_all(send, send_splits=[sum([b.numel() for b in row]) for row in blocks],
+                                             recv_splits=recv_splits, group=ex.group)
+        parts = [list(row_recv.split([math.prod(shape) for shape in row])) for row_recv, row in
+                 zip(recv.split(recv_splits), recv_shapes)]
+        return [[part.view(shape) for part, shape in zip(row_parts, row)] for row_parts, row in zip(parts, recv_shapes)]
     flat = [block for row in blocks for block in row]
     send = flat[0].new_empty(sum(block.numel() for block in flat))
     start = 0
@@ -317,13 +325,17 @@ def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int
     # the fingerprint covers k and v too: q's shape followed by (K/V heads, k's and v's head size)
     probe = q if error is not None else torch.empty((), dtype=q.dtype, device=q.device).expand(
         *q.shape, kv_heads, k.shape[-1], v.shape[-1])
-    full = agree._agree("to_heads", probe, cur=seq, tgt=head, known_len=known, group=group, n=n, rank=rank,
-                       error=error, replicated=count)
+    if torch.compiler.is_compiling() and error is None and known is not None:
+        full = known  # traced: no cross-rank check (a host sync); autograd through the functional all-to-all
+    else:
+        full = agree._agree("to_heads", probe, cur=seq, tgt=head, known_len=known, group=group, n=n, rank=rank,
+                           error=error, replicated=count)
     heads = q.shape[head]
     q_ranges, kv_ranges = tuple(head_ranges(heads, n)), tuple(kv_head_ranges(heads, kv_heads, n))
     ex = _Exchange(seq, head, tuple(chunk_sizes(full, n)), (q_ranges, kv_ranges, kv_ranges),
                    (heads, kv_heads, kv_heads), group, n, rank, (), *formats)
-    outputs = list(_ToHeads.apply(ex, q, k, v))
+    compiling = torch.compiler.is_compiling()
+    outputs = list(_seq_to_heads((q, k, v), ex) if compiling else _ToHeads.apply(ex, q, k, v))
     if replicated is not None:  # this rank's heads of the tokens it holds whole: no communication
         outputs += [t.narrow(head, *r[rank]) for t, r in zip(replicated, ex.ranges)]
     index = _local_kv_index(heads, kv_heads, n, rank)
@@ -383,15 +395,19 @@ def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = N
         error = exc
     if n == 1:
         return out if replicated is None else (out, replicated)
-    total = agree._agree("from_heads", out, cur=head, tgt=seq, known_len=known, group=group, n=n, rank=rank,
-                        error=error, replicated=count)
+    if torch.compiler.is_compiling() and error is None and known is not None:
+        total = known  # traced (see to_heads)
+    else:
+        total = agree._agree("from_heads", out, cur=head, tgt=seq, known_len=known, group=group, n=n, rank=rank,
+                            error=error, replicated=count)
+    apply = (lambda ex, *ts: _heads_to_seq(ts, ex)) if torch.compiler.is_compiling() else _FromHeads.apply
     ranges = tuple(head_ranges(total, n))
     if replicated is None:
         ex = _Exchange(seq, head, tuple(chunk_sizes(out.shape[seq], n)), (ranges,), (total,), group, n, rank, (),
                        *(f[:1] for f in formats))
-        (result,) = _FromHeads.apply(ex, out)
+        (result,) = apply(ex, out)
         return layout.attach(result, seq, out.shape[seq])
     ex = _Exchange(seq, head, tuple(chunk_sizes(out.shape[seq], n)), (ranges, ranges), (total, total), group, n,
                    rank, (False, True), *formats)
-    result, whole = _FromHeads.apply(ex, out, replicated)
+    result, whole = apply(ex, out, replicated)
     return layout.attach(result, seq, out.shape[seq]), whole

@@ -82,6 +82,7 @@ class HeadsCall:
         self.attended = 0        # attention calls intercepted in this module call (each its own replay key)
         self.in_kernel = False   # a kernel is running: the SDPA it calls itself is not switched again
         self.mode = _HeadSwitchMode(self)
+        self.mode_entered = False  # enter_heads: not under torch.compile
 
     def attend(self, kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, *, seq: int,
                head: int, error: Exception | None = None) -> torch.Tensor:
@@ -226,7 +227,12 @@ def enter_heads(where: str, group: Any, joint: str | None = None, *, comm_dtype:
     n, rank = group_size(group), group_rank(group)
     lengths = [(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a], grid[a]) for a in names]
     call = HeadsCall(where, lengths, names.index(shard), group, joint, comm_dtype, exact)
-    call.mode.__enter__()
+    # under torch.compile only diffusers' dispatch is intercepted: dynamo cannot trace a TorchFunctionMode
+    # entered outside a ``with``; a model that calls SDPA directly then ends its Heads call unswitched,
+    # which exit_heads refuses (never a silent local attention)
+    call.mode_entered = not torch.compiler.is_compiling()
+    if call.mode_entered:
+        call.mode.__enter__()
     if not hasattr(_local, "calls"):
         _local.calls = []
     _local.calls.append(call)
@@ -238,7 +244,8 @@ def exit_heads() -> None:
     if not calls:
         return
     call = calls.pop()
-    call.mode.__exit__(None, None, None)
+    if call.mode_entered:
+        call.mode.__exit__(None, None, None)
     if call.attended == 0 and sys.exc_info()[1] is None:
         local = [a for a, _ in call.lengths]
         raise RuntimeError(

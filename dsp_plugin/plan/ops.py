@@ -70,7 +70,7 @@ def infer_grid(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], *
     out = dict(grid)
     for d, names in enumerate(lay.dims):
         unknown = [a for a in names if a not in out]
-        known = math.prod(length(a) for a in names if a in out)
+        known = math.prod([length(a) for a in names if a in out])  # a list: dynamo traces no generator here
         if len(unknown) > 1:
             raise ValueError(f"{where}: dim {d} of layout '{lay}' folds {unknown}, whose lengths are unknown; "
                              f"give all but one in the plan's Grid")

@@ -82,7 +82,9 @@ class _Runtime:
         if io is not None:
             frames().append(Frame(id(self), dict(io.axes), sharded_io=True, handling=sys.exc_info()[1]))
             return
-        if not any(isinstance(f, Frame) for f in frames()):  # replicated inputs (not a model inside another's)
+        # replicated inputs (not a model inside another's); a compiled call is not checked: the check is a host
+        # sync, and the same inputs' first eager call (or an eager run under DSP_CHECK=1) checks them
+        if not torch.compiler.is_compiling() and not any(isinstance(f, Frame) for f in frames()):
             agree_inputs(f"parallelize({type(module).__name__})", dict(a.bound.arguments),
                          group=_resolve_group(self.group, "parallelize"), hint=INPUT_HINT)
         grid = {}
