@@ -130,6 +130,8 @@ def note(x: torch.Tensor, name: str, value: Any) -> torch.Tensor:
     folded axes the same way, for a recompute that runs on a detached copy (reentrant checkpointing).
     """
     setattr(x, name, value)
+    if torch.compiler.is_compiling():  # no aliases while tracing: reentrant recompute does not run compiled
+        return x
     key = _alias_key(x)
     if key is not None:
         with _lock:
@@ -140,8 +142,8 @@ def note(x: torch.Tensor, name: str, value: Any) -> torch.Tensor:
 def noted(x: torch.Tensor, name: str, default: Any = None) -> Any:
     """The note ``name`` of ``x``, or of a live tensor that is exactly the same view of the same memory."""
     value = getattr(x, name, None)
-    if value is not None:
-        return value
+    if value is not None or torch.compiler.is_compiling():
+        return default if value is None else value
     key = _alias_key(x)
     if key is None:
         return default

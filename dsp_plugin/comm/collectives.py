@@ -133,3 +133,22 @@ def _all_to_all_flat(send: torch.Tensor, send_splits: list[int], recv_splits: li
     dist.all_to_all_single(recv, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
                            group=group)
     return recv
+
+
+# -- the traceable forms (torch.compile): torch's functional collectives, seen by dynamo as graph ops ----------
+
+
+def traced_all_to_all(send: torch.Tensor, *, send_splits: list[int], recv_splits: list[int],
+                      group: dist.ProcessGroup) -> torch.Tensor:
+    """``all_to_all_single_autograd`` of a flat buffer (sizes in elements): its backward is the reverse
+    all-to-all, traced with it (``dsp_plugin.comm.traced``)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_to_all_single_autograd(send, recv_splits, send_splits, group)
+
+
+def traced_all_gather(send: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """``all_gather_tensor`` along dim 0, without autograd (the caller routes the gradient itself)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.all_gather_tensor(send, 0, group)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from dsp_plugin import layout
+from dsp_plugin.comm import payload, traced
 from dsp_plugin.comm.agree import _agree, _check_global_len, _check_tensor, _normalize_dim
 from dsp_plugin.comm.collectives import _all_gather_tensor, all_to_all_single
 from dsp_plugin.comm.group_resolution import _member
@@ -109,7 +110,7 @@ def _gather(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup, n: i
 
 
 def _switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.ProcessGroup, n: int, rank: int,
-            fold_for: int | None = None) -> torch.Tensor:
+            fold_for: int | None = None, wire: torch.dtype | None = None) -> torch.Tensor:
     """S(cur) -> S(tgt): one all_to_all_single between one pack and one unpack (see ``packing``).
 
     Shapes (other dims elided; c_i = rank i's chunk of cur, t_j = rank j's chunk of tgt):
@@ -119,8 +120,15 @@ def _switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.Proc
       out  [.., C_full, .., t_rank, ..] = recv blocks concatenated along cur
     """
     plan = _SwitchBuffers(x, cur, tgt, cur_full, n, rank)
-    all_to_all_single(plan.recv, plan.send, recv_splits=plan.recv_splits, send_splits=plan.send_splits,
-                      group=group)
+    if wire is None:
+        all_to_all_single(plan.recv, plan.send, recv_splits=plan.recv_splits, send_splits=plan.send_splits,
+                          group=group)
+    else:  # the same blocks, each sent as ``wire`` bytes and its scale (``payload``)
+        send_sizes = plan.send_splits or [plan.send.numel() // n] * n
+        recv_sizes = plan.recv_splits or [plan.recv.numel() // n] * n
+        rows = [[block] for block in plan.send.split(send_sizes)]
+        received = payload.exchange(rows, [[(size,)] for size in recv_sizes], [wire], group, rank)
+        plan.recv = torch.cat([row[0] for row in received])
     return plan.unpack(fold_for)
 
 
@@ -170,15 +178,17 @@ class _Gather(torch.autograd.Function):
 
 class _Switch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cur, tgt, cur_full, group, n, rank, fold_for):  # type: ignore[override]
-        ctx.cur, ctx.tgt, ctx.group, ctx.n, ctx.rank = cur, tgt, group, n, rank
+    def forward(ctx, x, cur, tgt, cur_full, group, n, rank, fold_for, wire=None):  # type: ignore[override]
+        ctx.cur, ctx.tgt, ctx.group, ctx.n, ctx.rank, ctx.wire = cur, tgt, group, n, rank, wire
         ctx.tgt_full = x.shape[tgt]
-        return _switch(x, cur, tgt, cur_full, group, n, rank, fold_for)
+        return _switch(x, cur, tgt, cur_full, group, n, rank, fold_for,
+                       None if wire is None else wire.forward)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        grad = _Switch.apply(grad, ctx.tgt, ctx.cur, ctx.tgt_full, ctx.group, ctx.n, ctx.rank, None)
-        return grad, None, None, None, None, None, None, None
+        wire = None if ctx.wire is None else ctx.wire.reversed()
+        grad = _Switch.apply(grad, ctx.tgt, ctx.cur, ctx.tgt_full, ctx.group, ctx.n, ctx.rank, None, wire)
+        return grad, None, None, None, None, None, None, None, None
 
 
 # ---------------------------------------------------------------------------
@@ -195,6 +205,9 @@ def split(x: torch.Tensor, tgt_shard: int, *, group: dist.ProcessGroup | None = 
     all_gather). A size-1 group returns ``x``.
     """
     group, n, rank = _member("split", group)
+    if torch.compiler.is_compiling():
+        return x if n == 1 else traced.traced_split(x, _normalize_dim("split", "tgt_shard", tgt_shard, x.dim()),
+                                                    group, n, rank)
     error, dim = None, -1
     try:
         x = _check_tensor("split", x)
@@ -220,6 +233,9 @@ def gather(x: torch.Tensor, cur_shard: int, *, group: dist.ProcessGroup | None =
     rank's chunk of the gradient. A size-1 group returns ``x``.
     """
     group, n, rank = _member("gather", group)
+    if torch.compiler.is_compiling():
+        dim = _normalize_dim("gather", "cur_shard", cur_shard, x.dim())
+        return x if n == 1 else traced.traced_gather(x, dim, _traced_len("gather", global_len), group, n, rank)
     error, dim, known = None, -1, None
     try:
         x = _check_tensor("gather", x)
@@ -235,6 +251,14 @@ def gather(x: torch.Tensor, cur_shard: int, *, group: dist.ProcessGroup | None =
         known = layout.global_len_of(x, dim)
     full = _agree("gather", x, cur=dim, tgt=-1, known_len=known, group=group, n=n, rank=rank, error=error)
     return _Gather.apply(x, dim, full, group, n, rank)
+
+
+def _traced_len(name: str, global_len: int | None) -> int:
+    """The full length a traced primitive needs at trace time: tags are not read inside a compiled region."""
+    if global_len is None:
+        raise ValueError(f"{name}: global_len=None under torch.compile; expected the full length of the sharded "
+                         f"dim (a compiled region reads no shard tag and asks no group: that would be a host sync)")
+    return global_len
 
 
 def _prepare_switch(name: str, x: object, cur_shard: object, tgt_shard: object,
@@ -273,7 +297,7 @@ def _prepare_switch(name: str, x: object, cur_shard: object, tgt_shard: object,
 
 def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
                    group: dist.ProcessGroup | None = None, global_len: int | None = None,
-                   fold_for: int | None = None) -> torch.Tensor:
+                   fold_for: int | None = None, comm_dtype: object = None) -> torch.Tensor:
     """Shard(cur_shard) -> Shard(tgt_shard) with one ``all_to_all_single``.
 
     Every rank sends (N-1)/N of its shard: M(N-1)/N^2 bytes per rank for an
@@ -282,14 +306,31 @@ def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
     lays the output out in memory with dim ``a`` second to last, so a block that
     attends along ``a`` folds the other dims into its batch without a copy
     (``dsp_plugin.packing.join_blocks``). Backward is the switch with the two
-    dims exchanged. A size-1 group returns ``x``.
+    dims exchanged. A size-1 group returns ``x``. ``comm_dtype="fp8"`` sends the
+    blocks as FP8 with a scale each, forward and backward (``dsp_plugin.comm.payload``).
     """
-    def options(x: torch.Tensor) -> int | None:
-        return None if fold_for is None else _normalize_dim("dynamic_switch", "fold_for", fold_for, x.dim())
+    if torch.compiler.is_compiling():
+        group, n, rank = _member("dynamic_switch", group)
+        if comm_dtype is not None:
+            raise ValueError(f"dynamic_switch: comm_dtype={comm_dtype!r} under torch.compile; the FP8 payload "
+                             f"runs in eager only so far (expected comm_dtype=None in a compiled region)")
+        cur = _normalize_dim("dynamic_switch", "cur_shard", cur_shard, x.dim())
+        tgt = _normalize_dim("dynamic_switch", "tgt_shard", tgt_shard, x.dim())
+        if n == 1:
+            return x
+        return traced.traced_switch(x, cur, tgt, _traced_len("dynamic_switch", global_len), group, n, rank)
+
+    def options(x: torch.Tensor) -> tuple[int | None, payload.Payload | None]:
+        wire = payload.as_payload("dynamic_switch", comm_dtype)
+        if wire is not None and not x.is_floating_point():
+            raise ValueError(f"dynamic_switch: comm_dtype={comm_dtype!r} on a {x.dtype} tensor; expected a "
+                             f"floating-point activation")
+        return (None if fold_for is None else _normalize_dim("dynamic_switch", "fold_for", fold_for, x.dim()),
+                wire)
 
     call = _prepare_switch("dynamic_switch", x, cur_shard, tgt_shard, group, global_len, options)
     if call is None:
         return x
-    cur, tgt, cur_full, group, n, rank, fold_for = call
-    out = _Switch.apply(x, cur, tgt, cur_full, group, n, rank, fold_for)
+    cur, tgt, cur_full, group, n, rank, (fold_for, wire) = call
+    out = _Switch.apply(x, cur, tgt, cur_full, group, n, rank, fold_for, wire)
     return layout.attach(out, tgt, x.shape[tgt])

@@ -55,13 +55,13 @@ size 1 both return their inputs.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from dsp_plugin import layout
-from dsp_plugin.comm import agree, collectives, group_resolution
+from dsp_plugin.comm import agree, collectives, group_resolution, payload
 from dsp_plugin.head_switch.arg_checks import check_qkv, check_replicated
 from dsp_plugin.packing import chunk_sizes, offsets
 
@@ -145,6 +145,12 @@ class _Exchange:
     n: int
     rank: int
     replicated: tuple[bool, ...] = ()       # per tensor: its tokens are whole on every rank (joint attention)
+    formats: tuple[torch.dtype | None, ...] = ()       # per tensor: its wire format (None: its dtype; payload.py)
+    grad_formats: tuple[torch.dtype | None, ...] = ()  # per tensor: its gradient's, in the adjoint
+
+    def adjoint(self) -> _Exchange:
+        """The exchange of the gradients: the same, with the two payload formats exchanged."""
+        return replace(self, formats=self.grad_formats, grad_formats=self.formats)
 
     def shape(self, t: torch.Tensor, tokens: int, heads: int) -> list[int]:
         shape = list(t.shape)
@@ -160,7 +166,18 @@ def _exchange_blocks(blocks: list[list[torch.Tensor]], recv_shapes: list[list[li
     """Send ``blocks[j]`` to rank ``j`` in ONE all-to-all; return rank ``i``'s blocks, shaped ``recv_shapes[i]``.
 
     Pack: one copy per block into a flat send buffer. Unpack: views of the flat receive buffer.
+    With ``ex.formats`` (FP8 for some tensors), the buffer is ``payload``'s bytes, one scale per chunk.
     """
+    if any(f is not None for f in ex.formats):
+        return payload.exchange(blocks, recv_shapes, ex.formats, ex.group, ex.rank)
+    if torch.compiler.is_compiling():  # traced: torch ops around a functional all-to-all (comm/traced.py)
+        send = torch.cat([block.reshape(-1) for row in blocks for block in row])
+        recv_splits = [sum([math.prod(shape) for shape in row]) for row in recv_shapes]
+        recv = collectives.traced_all_to_all(send, send_splits=[sum([b.numel() for b in row]) for row in blocks],
+                                             recv_splits=recv_splits, group=ex.group)
+        parts = [list(row_recv.split([math.prod(shape) for shape in row])) for row_recv, row in
+                 zip(recv.split(recv_splits), recv_shapes)]
+        return [[part.view(shape) for part, shape in zip(row_parts, row)] for row_parts, row in zip(parts, recv_shapes)]
     flat = [block for row in blocks for block in row]
     send = flat[0].new_empty(sum(block.numel() for block in flat))
     start = 0
@@ -232,7 +249,7 @@ class _ToHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        return (None, *_FromHeads.apply(ctx.ex, *grads))
+        return (None, *_FromHeads.apply(ctx.ex.adjoint(), *grads))
 
 
 class _FromHeads(torch.autograd.Function):
@@ -243,12 +260,13 @@ class _FromHeads(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
-        return (None, *_ToHeads.apply(ctx.ex, *grads))
+        return (None, *_ToHeads.apply(ctx.ex.adjoint(), *grads))
 
 
 def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int, head_dim: int,
              group: Any = None, global_len: int | None = None,
-             replicated: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+             replicated: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, comm_dtype: object = None,
+             exact: tuple[str, ...] = ()) -> tuple[torch.Tensor, ...]:
     """q, k, v sharded ``S(seq_dim)`` -> the full sequence, sharded ``S(head_dim)``: ONE packed all-to-all.
 
     ``k``/``v`` may have fewer heads than ``q`` (GQA/MQA): each rank gets the
@@ -260,21 +278,38 @@ def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int,
     the project's partial adjoint), R is compared across ranks in the same check,
     and they are returned after q, k, v (six tensors).
     Backward: one packed all-to-all back. A size-1 group returns the inputs.
+    ``comm_dtype="fp8"``: q, k, v travel as FP8 with a scale per chunk, forward and backward
+    (``dsp_plugin.comm.payload``), except those named in ``exact`` (``("k",)``: K keeps its dtype).
     """
     return _to_heads(q, k, v, seq_dim=seq_dim, head_dim=head_dim, group=group, global_len=global_len,
-                     replicated=replicated)
+                     replicated=replicated, comm_dtype=comm_dtype, exact=exact)
+
+
+def wire_formats(where: str, comm_dtype: object, names: tuple[str, ...], exact: object = ()
+                 ) -> tuple[tuple[torch.dtype | None, ...], tuple[torch.dtype | None, ...]]:
+    """Per tensor named in ``names``: (its forward wire format, its gradient's); ``exact`` ones keep their dtype."""
+    wire = payload.as_payload(where, comm_dtype)
+    if not isinstance(exact, (tuple, list, set, frozenset)) or any(e not in names for e in exact):
+        raise ValueError(f"{where}: exact={exact!r}; expected a tuple of names among {names}")
+    if wire is None:
+        return (), ()
+    return (tuple(None if name in exact else wire.forward for name in names),
+            tuple(None if name in exact else wire.grad for name in names))
 
 
 def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any,
               global_len: int | None, replicated: tuple[torch.Tensor, ...] | None,
-              error: Exception | None = None) -> tuple[torch.Tensor, ...]:
+              error: Exception | None = None, comm_dtype: object = None,
+              exact: tuple[str, ...] = ()) -> tuple[torch.Tensor, ...]:
     """``to_heads``; ``error``: the caller's own argument error, raised on every rank after the check."""
     group, n, rank = group_resolution._member("to_heads", group)
     seq, head, kv_heads, known, count = -1, -1, 0, None, -1
+    formats: tuple[tuple[torch.dtype | None, ...], ...] = ((), ())
     try:
         if error is not None:
             raise error
         seq, head, kv_heads = check_qkv(q, k, v, seq_dim, head_dim)
+        formats = wire_formats("to_heads", comm_dtype, ("q", "k", "v"), exact)
         if replicated is not None:
             replicated = check_replicated("to_heads", replicated, (q, k, v), seq, head)
             count = replicated[0].shape[seq]
@@ -290,13 +325,17 @@ def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int
     # the fingerprint covers k and v too: q's shape followed by (K/V heads, k's and v's head size)
     probe = q if error is not None else torch.empty((), dtype=q.dtype, device=q.device).expand(
         *q.shape, kv_heads, k.shape[-1], v.shape[-1])
-    full = agree._agree("to_heads", probe, cur=seq, tgt=head, known_len=known, group=group, n=n, rank=rank,
-                       error=error, replicated=count)
+    if torch.compiler.is_compiling() and error is None and known is not None:
+        full = known  # traced: no cross-rank check (a host sync); autograd through the functional all-to-all
+    else:
+        full = agree._agree("to_heads", probe, cur=seq, tgt=head, known_len=known, group=group, n=n, rank=rank,
+                           error=error, replicated=count)
     heads = q.shape[head]
     q_ranges, kv_ranges = tuple(head_ranges(heads, n)), tuple(kv_head_ranges(heads, kv_heads, n))
     ex = _Exchange(seq, head, tuple(chunk_sizes(full, n)), (q_ranges, kv_ranges, kv_ranges),
-                   (heads, kv_heads, kv_heads), group, n, rank)
-    outputs = list(_ToHeads.apply(ex, q, k, v))
+                   (heads, kv_heads, kv_heads), group, n, rank, (), *formats)
+    compiling = torch.compiler.is_compiling()
+    outputs = list(_seq_to_heads((q, k, v), ex) if compiling else _ToHeads.apply(ex, q, k, v))
     if replicated is not None:  # this rank's heads of the tokens it holds whole: no communication
         outputs += [t.narrow(head, *r[rank]) for t, r in zip(replicated, ex.ranges)]
     index = _local_kv_index(heads, kv_heads, n, rank)
@@ -312,7 +351,8 @@ def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int
 
 def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = None,
                global_len: int | None = None, heads: int | None = None,
-               replicated: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+               replicated: torch.Tensor | None = None,
+               comm_dtype: object = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention output ``S(head_dim)`` with the full sequence -> ``S(seq_dim)`` with every head: one all-to-all.
 
     ``heads`` is the full head count (default: asked of the group, one tiny
@@ -324,11 +364,14 @@ def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = N
     sends its heads of it to every rank: an all-gather over heads, whose backward
     sums the ranks' gradients, a reduce-scatter) and ``(out, replicated)`` come back,
     the second with every head, the same on every rank.
-    Backward: the switch to heads. A size-1 group returns its inputs.
+    Backward: the switch to heads. A size-1 group returns its inputs. ``comm_dtype="fp8"``: the
+    output (and ``replicated``) travel as FP8 with a scale per chunk (``dsp_plugin.comm.payload``).
     """
     group, n, rank = group_resolution._member("from_heads", group)
     error, seq, head, known, count = None, -1, -1, None, -1
+    formats: tuple[tuple[torch.dtype | None, ...], ...] = ((), ())
     try:
+        formats = wire_formats("from_heads", comm_dtype, ("out", "replicated"))
         out = agree._check_tensor("from_heads", out)
         seq = agree._normalize_dim("from_heads", "seq_dim", seq_dim, out.dim())
         head = agree._normalize_dim("from_heads", "head_dim", head_dim, out.dim())
@@ -352,14 +395,19 @@ def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = N
         error = exc
     if n == 1:
         return out if replicated is None else (out, replicated)
-    total = agree._agree("from_heads", out, cur=head, tgt=seq, known_len=known, group=group, n=n, rank=rank,
-                        error=error, replicated=count)
+    if torch.compiler.is_compiling() and error is None and known is not None:
+        total = known  # traced (see to_heads)
+    else:
+        total = agree._agree("from_heads", out, cur=head, tgt=seq, known_len=known, group=group, n=n, rank=rank,
+                            error=error, replicated=count)
+    apply = (lambda ex, *ts: _heads_to_seq(ts, ex)) if torch.compiler.is_compiling() else _FromHeads.apply
     ranges = tuple(head_ranges(total, n))
     if replicated is None:
-        ex = _Exchange(seq, head, tuple(chunk_sizes(out.shape[seq], n)), (ranges,), (total,), group, n, rank)
-        (result,) = _FromHeads.apply(ex, out)
+        ex = _Exchange(seq, head, tuple(chunk_sizes(out.shape[seq], n)), (ranges,), (total,), group, n, rank, (),
+                       *(f[:1] for f in formats))
+        (result,) = apply(ex, out)
         return layout.attach(result, seq, out.shape[seq])
     ex = _Exchange(seq, head, tuple(chunk_sizes(out.shape[seq], n)), (ranges, ranges), (total, total), group, n,
-                   rank, (False, True))
-    result, whole = _FromHeads.apply(ex, out, replicated)
+                   rank, (False, True), *formats)
+    result, whole = apply(ex, out, replicated)
     return layout.attach(result, seq, out.shape[seq]), whole

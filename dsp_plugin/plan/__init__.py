@@ -20,13 +20,15 @@ from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Layout, Positions, 
 __all__ = ["Block", "Gather", "Grid", "Heads", "Layout", "OnShard", "Positions", "Split", "parallelize", "sharded_io"]
 
 
-def parallelize(model: nn.Module, plan: Any = None, group: Any = None) -> nn.Module:
+def parallelize(model: nn.Module, plan: Any = None, group: Any = None, *, comm_dtype: Any = None) -> nn.Module:
     """``model`` made DSP-parallel over ``group`` (None: the DSP group of the current topology).
 
     Replicated in, replicated out, the model's call signature and its own
     parameters. ``plan``: a dict ``{module path: spec or [specs]}``; None looks
     for the model's ``_dsp_plan`` attribute, then a built-in plan for its class.
-    Hooks are registered in place and the model is returned.
+    Hooks are registered in place and the model is returned. ``comm_dtype="fp8"``: every switch
+    and head switch sends FP8 with a scale per chunk, forward and backward (``dsp_plugin.comm.payload``),
+    except a ``Block(exact=True)``'s and the tensors a ``Heads(exact=...)`` names.
     """
     from dsp_plugin.plan.builtin import builtin_plan
     from dsp_plugin.plan.runtime import apply_plan
@@ -39,4 +41,4 @@ def parallelize(model: nn.Module, plan: Any = None, group: Any = None) -> nn.Mod
                          f"for your own model') or set {name}._dsp_plan")
     if not isinstance(plan, dict):
         raise TypeError(f"parallelize: plan must be a dict {{module path: spec}}, got {type(plan).__name__}")
-    return apply_plan(model, plan, group)
+    return apply_plan(model, plan, group, comm_dtype=comm_dtype)

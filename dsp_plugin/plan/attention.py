@@ -76,11 +76,13 @@ class HeadsCall:
     """
 
     def __init__(self, where: str, lengths: list[tuple[int, int]], axis: int, group: Any,
-                 joint: str | None = None) -> None:
+                 joint: str | None = None, comm_dtype: object = None, exact: tuple[str, ...] = ()) -> None:
         self.where, self.lengths, self.axis, self.group, self.joint = where, lengths, axis, group, joint
+        self.comm_dtype, self.exact = comm_dtype, exact  # the payload (comm/payload.py); Heads(exact=...)
         self.attended = 0        # attention calls intercepted in this module call (each its own replay key)
         self.in_kernel = False   # a kernel is running: the SDPA it calls itself is not switched again
         self.mode = _HeadSwitchMode(self)
+        self.mode_entered = False  # enter_heads: not under torch.compile
 
     def attend(self, kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, *, seq: int,
                head: int, error: Exception | None = None) -> torch.Tensor:
@@ -111,7 +113,9 @@ class HeadsCall:
         text = tuple(t.narrow(seq, text_at, count).unflatten(seq, whole) for t in (q, k, v)) if self.joint else ()
         switched = recompute.replay((self.where, "to_heads", call), lambda *qkv: _to_heads(
             *qkv[:3], seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis],
-            replicated=qkv[3:] or None), *own, *text)
+            replicated=qkv[3:] or None, comm_dtype=self.comm_dtype,
+            exact=tuple(e for e in self.exact if e != "out")), *own, *text)
+        out_dtype = None if "out" in self.exact else self.comm_dtype
 
         def joined(tokens: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
             tokens = tokens.flatten(seq, seq + width - 1)
@@ -133,13 +137,13 @@ class HeadsCall:
         own_out = out.narrow(seq, count if first else 0, total).unflatten(seq, full)
         if not self.joint:
             out = recompute.replay((self.where, "from_heads", call), lambda o: from_heads(
-                o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis], heads=heads),
-                own_out)
+                o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis], heads=heads,
+                comm_dtype=out_dtype), own_out)
             return out.flatten(seq, seq + width - 1)
         text_out = out.narrow(seq, 0 if first else total, count).unflatten(seq, whole)
         out, text_out = recompute.replay((self.where, "from_heads", call), lambda o, o_t: from_heads(
             o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis], heads=heads,
-            replicated=o_t), own_out, text_out)
+            replicated=o_t, comm_dtype=out_dtype), own_out, text_out)
         return joined(out, text_out)
 
     def _check(self, q: torch.Tensor, k: torch.Tensor, mask: Any, seq: int, head: int, count: int,
@@ -210,7 +214,8 @@ def current_call() -> HeadsCall | None:
     return calls[-1] if calls else None
 
 
-def enter_heads(where: str, group: Any, joint: str | None = None) -> None:
+def enter_heads(where: str, group: Any, joint: str | None = None, *, comm_dtype: object = None,
+                exact: tuple[str, ...] = ()) -> None:
     from dsp_plugin.plan.frames import current_block
 
     block = current_block()
@@ -221,8 +226,13 @@ def enter_heads(where: str, group: Any, joint: str | None = None) -> None:
     names = lay.dims[lay.dim_of(shard)]
     n, rank = group_size(group), group_rank(group)
     lengths = [(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a], grid[a]) for a in names]
-    call = HeadsCall(where, lengths, names.index(shard), group, joint)
-    call.mode.__enter__()
+    call = HeadsCall(where, lengths, names.index(shard), group, joint, comm_dtype, exact)
+    # under torch.compile only diffusers' dispatch is intercepted: dynamo cannot trace a TorchFunctionMode
+    # entered outside a ``with``; a model that calls SDPA directly then ends its Heads call unswitched,
+    # which exit_heads refuses (never a silent local attention)
+    call.mode_entered = not torch.compiler.is_compiling()
+    if call.mode_entered:
+        call.mode.__enter__()
     if not hasattr(_local, "calls"):
         _local.calls = []
     _local.calls.append(call)
@@ -234,7 +244,8 @@ def exit_heads() -> None:
     if not calls:
         return
     call = calls.pop()
-    call.mode.__exit__(None, None, None)
+    if call.mode_entered:
+        call.mode.__exit__(None, None, None)
     if call.attended == 0 and sys.exc_info()[1] is None:
         local = [a for a, _ in call.lengths]
         raise RuntimeError(

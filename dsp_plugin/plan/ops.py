@@ -70,7 +70,7 @@ def infer_grid(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], *
     out = dict(grid)
     for d, names in enumerate(lay.dims):
         unknown = [a for a in names if a not in out]
-        known = math.prod(length(a) for a in names if a in out)
+        known = math.prod([length(a) for a in names if a in out])  # a list: dynamo traces no generator here
         if len(unknown) > 1:
             raise ValueError(f"{where}: dim {d} of layout '{lay}' folds {unknown}, whose lengths are unknown; "
                              f"give all but one in the plan's Grid")
@@ -177,14 +177,16 @@ def plan_split(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], s
 
 
 def plan_switch(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], cur: str, tgt: str,
-                group: Any, *, tail: bool = False) -> torch.Tensor:
-    """S(cur) -> S(tgt) of ``x`` in ``lay``: one all-to-all, not re-issued under recompute; tagged."""
+                group: Any, *, tail: bool = False, comm_dtype: object = None) -> torch.Tensor:
+    """S(cur) -> S(tgt) of ``x`` in ``lay``: one all-to-all, not re-issued under recompute; tagged.
+    ``comm_dtype``: the payload's wire format (``dsp_plugin.comm.payload``)."""
     if group_size(group) == 1:
         return x
     u = _unfold(where, x, lay, grid, cur, group)
     axes = lay.axes
     y = recompute.replay((where, "switch", cur, tgt), lambda u: dynamic_switch(
-        u, axes.index(cur), axes.index(tgt), group=group, global_len=grid[cur]), u, tail=tail)
+        u, axes.index(cur), axes.index(tgt), group=group, global_len=grid[cur], comm_dtype=comm_dtype), u,
+        tail=tail)
     return _tag(_fold(y, lay), lay, grid, tgt)
 
 

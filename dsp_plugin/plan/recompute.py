@@ -88,8 +88,8 @@ def _backward_running() -> bool:
 def forward_starts() -> None:
     """A top-level forward of a parallelized model starts: a new generation replaces the kept outputs."""
     global _current
-    if _backward_running():  # the model itself is being recomputed (a user's checkpoint around it)
-        return
+    if torch.compiler.is_compiling() or _backward_running():  # compiled: nothing kept (``replay``); or the
+        return                                                   # model itself is being recomputed
     with _lock:
         _current = _Generation(torch._C._autograd._get_sequence_nr(), threading.get_ident())
 
@@ -207,7 +207,7 @@ def replay(key: Any, fn: Callable[..., Any], *inputs: Any, enabled: bool = True,
     must be the same on every rank; ``tail``: the call may be the last thing in its
     checkpointed region (a switch after a block).
     """
-    if not enabled:
+    if not enabled or torch.compiler.is_compiling():  # a compiled region's recompute is AOTAutograd's own
         return fn(*inputs)
     if _backward_running():
         entry = _take(key)

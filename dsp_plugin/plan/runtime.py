@@ -61,8 +61,9 @@ _ONSHARD_ATTR = "_dsp_plan_on_shard"
 
 
 class _Runtime:
-    def __init__(self, model: nn.Module, plan: dict[str, Any], group: Any) -> None:
+    def __init__(self, model: nn.Module, plan: dict[str, Any], group: Any, comm_dtype: object = None) -> None:
         self.model, self.plan, self.group = model, plan, group
+        self.comm_dtype = comm_dtype  # the switches' wire format (comm/payload.py); a Block/Heads may opt out
         self.entries = expand(model, plan)
         self.grid = next((s for _, _, specs in self.entries for s in specs if isinstance(s, Grid)), Grid())
         self.handles: list[Any] = []
@@ -81,7 +82,9 @@ class _Runtime:
         if io is not None:
             frames().append(Frame(id(self), dict(io.axes), sharded_io=True, handling=sys.exc_info()[1]))
             return
-        if not any(isinstance(f, Frame) for f in frames()):  # replicated inputs (not a model inside another's)
+        # replicated inputs (not a model inside another's); a compiled call is not checked: the check is a host
+        # sync, and the same inputs' first eager call (or an eager run under DSP_CHECK=1) checks them
+        if not torch.compiler.is_compiling() and not any(isinstance(f, Frame) for f in frames()):
             agree_inputs(f"parallelize({type(module).__name__})", dict(a.bound.arguments),
                          group=_resolve_group(self.group, "parallelize"), hint=INPUT_HINT)
         grid = {}
@@ -115,7 +118,7 @@ class _Runtime:
         """
         new = _Runtime.__new__(_Runtime)
         memo[id(self)] = new
-        new.plan, new.group, new.grid = self.plan, self.group, self.grid
+        new.plan, new.group, new.grid, new.comm_dtype = self.plan, self.group, self.grid, self.comm_dtype
         new.model = copy.deepcopy(self.model, memo)
         new.entries = [(path, copy.deepcopy(module, memo), specs) for path, module, specs in self.entries]
         new.handles = copy.deepcopy(self.handles, memo)
@@ -141,7 +144,7 @@ class _Runtime:
                 self.block_pre(path, a, spec)
             elif isinstance(spec, Heads):
                 dispatch.install()  # a backend registered after parallelize is wrapped too
-                enter_heads(path, self.group, spec.joint)
+                enter_heads(path, self.group, spec.joint, comm_dtype=self.comm_dtype, exact=spec.exact)
             elif isinstance(spec, Gather) and spec.arg != "out":
                 a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
             elif isinstance(spec, OnShard):
@@ -231,7 +234,8 @@ class _Runtime:
             else (frame.grid, frame.shard)
         if frame is not None and frame.sharded_io:  # the caller wants the shard back, on the axis it gave
             if frame.io_shard is not None and frame.io_shard != shard and frame.io_shard in spec.layout.axes:
-                x = ops.plan_switch(where, x, spec.layout, grid, shard, frame.io_shard, self.group)
+                x = ops.plan_switch(where, x, spec.layout, grid, shard, frame.io_shard, self.group,
+                                    comm_dtype=self.comm_dtype)
                 frame.shard = shard = frame.io_shard
             return ops.tag(x, spec.layout, grid, shard)
         if frame is not None:
@@ -263,7 +267,8 @@ class _Runtime:
             if spec.then is None:
                 raise ValueError(f"{path}: the block attends {shard!r}, the sharded axis; set Block.then to "
                                  f"the axis to switch to")
-            x = ops.plan_switch(path, x, spec.layout, grid, shard, spec.then, self.group)
+            x = ops.plan_switch(path, x, spec.layout, grid, shard, spec.then, self.group,
+                                comm_dtype=None if spec.exact else self.comm_dtype)
             shard = spec.then
         a.set(spec.arg, x)
         for name, rows in spec.follow.items():
@@ -302,7 +307,8 @@ class _Runtime:
             return None
         first = output[0] if isinstance(output, tuple) else output
         if spec.out_shard is not None and spec.out_shard != shard:
-            first = ops.plan_switch(path, first, spec.layout, grid, shard, spec.out_shard, self.group, tail=True)
+            first = ops.plan_switch(path, first, spec.layout, grid, shard, spec.out_shard, self.group, tail=True,
+                                    comm_dtype=None if spec.exact else self.comm_dtype)
             shard = spec.out_shard
         else:
             first = ops.tag(first, spec.layout, grid, shard)
@@ -330,11 +336,13 @@ class _Hook:
         return _Hook(copy.deepcopy(self.runtime, memo), self.kind, self.path, self.specs)
 
 
-def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None) -> nn.Module:
+def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None, *, comm_dtype: object = None) -> nn.Module:
     """Register ``plan``'s hooks on ``model`` (in place) and return it."""
     if getattr(model, "_dsp_plan_runtime", None) is not None:
         raise ValueError("parallelize: this model is already parallelized")
-    rt = _Runtime(model, plan, group)
+    from dsp_plugin.comm.payload import as_payload
+
+    rt = _Runtime(model, plan, group, as_payload("parallelize", comm_dtype))
     heads = [path for path, _, specs in rt.entries if any(isinstance(s, Heads) for s in specs)]
     if heads:  # the head switch at diffusers' attention dispatch too (plan/dispatch.py)
         dispatch.check_model(model, heads)

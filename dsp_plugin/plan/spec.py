@@ -142,6 +142,8 @@ class Block:
     when it is sharded on an axis of that layout; a tensor with fewer dims than
     the layout, or with length 1 on the sharded axis's dim, is the per-sample
     form the model broadcasts and is left whole.
+    ``exact=True``: this block's switches send the activation's own dtype even when
+    the plan's ``comm_dtype`` is FP8 (a tensor the model is sensitive to).
     """
 
     layout: str | Layout
@@ -150,6 +152,7 @@ class Block:
     then: str | None = None
     out_shard: str | None = None
     follow: dict[str, str | Layout] = field(default_factory=dict)
+    exact: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", _layout(self.layout))
@@ -178,11 +181,17 @@ class Heads:
     They are narrowed to this rank's heads (no communication), attend with the full
     sequence, and their output leaves replicated over heads inside the same
     all-to-all that returns the sharded tokens.
+
+    ``exact=("k",)``: under the plan's ``comm_dtype="fp8"`` these of ``"q"``, ``"k"``,
+    ``"v"``, ``"out"`` travel in their own dtype (peers found K the most sensitive).
     """
 
     joint: str | None = None
+    exact: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.exact, tuple) or any(e not in ("q", "k", "v", "out") for e in self.exact):
+            raise ValueError(f"Heads(exact={self.exact!r}); expected a tuple of names among 'q', 'k', 'v', 'out'")
         if self.joint not in (None, "first", "last"):
             raise ValueError(f"Heads(joint={self.joint!r}); expected None, 'first' or 'last' (where the "
                              f"replicated tokens sit in the attention's sequence)")

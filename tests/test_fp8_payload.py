@@ -1,0 +1,104 @@
+"""The FP8 payload (``comm_dtype="fp8"``, ``dsp_plugin.comm.payload``) of the switch and the head switch.
+
+The bytes the accounting sees are exactly half of the bf16 payload plus one float32 scale per chunk
+sent (one chunk per tensor and per peer); the values come back within FP8's rounding of the exact
+(bf16) exchange, forward and backward; a tensor named ``exact`` travels in its own dtype.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed import run_distributed
+
+SCALE = 4  # bytes of one chunk's scale
+
+
+def _bytes(acct, phase: str) -> int:  # noqa: ANN001
+    return sum(r.bytes_sent for r in acct.records if r.op == "all_to_all" and r.phase == phase)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _switch_worker(rank: int, n: int) -> dict[str, float]:
+    from dsp_plugin.accounting import CommAccounting
+    from dsp_plugin.comm import dynamic_switch, split
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 7, 6, 5, generator=g).to(torch.bfloat16)
+    weight = torch.randn(2, 7, 6, 5, generator=g).to(torch.bfloat16)  # a gradient that is not the activation
+
+    def run(comm_dtype: object) -> tuple[torch.Tensor, torch.Tensor, CommAccounting]:
+        x = split(full, 1).detach().requires_grad_(True)
+        with CommAccounting(activations=False) as acct:
+            y = dynamic_switch(x, 1, 2, global_len=7, comm_dtype=comm_dtype)
+            (y.float() * split(weight, 2).float()).sum().backward()
+        return y.detach(), x.grad, acct
+
+    y16, g16, a16 = run(None)
+    y8, g8, a8 = run("fp8")
+    return {"fwd16": _bytes(a16, "forward"), "fwd8": _bytes(a8, "forward"),
+            "bwd16": _bytes(a16, "backward"), "bwd8": _bytes(a8, "backward"),
+            "calls8": len(a8.records), "dtype8": str(y8.dtype),
+            "rel_out": _rel(y8, y16), "rel_grad": _rel(g8, g16)}
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_fp8_switch_sends_half_the_bytes_plus_the_scales(n: int) -> None:
+    for rank, d in enumerate(run_distributed(_switch_worker, n)):
+        print(f"n={n} rank {rank}: {d}")
+        assert d["calls8"] == 2 and d["dtype8"] == "torch.bfloat16", d  # one all-to-all each way, bf16 out
+        for phase in ("fwd", "bwd"):
+            assert d[f"{phase}8"] == d[f"{phase}16"] // 2 + SCALE * (n - 1), d
+        assert 0 < d["rel_out"] < 0.04 and 0 < d["rel_grad"] < 0.04, d  # e4m3: 3 mantissa bits
+
+
+def _heads_worker(rank: int, n: int, exact: tuple[str, ...]) -> dict[str, float]:
+    from dsp_plugin.accounting import CommAccounting
+    from dsp_plugin.comm import split
+    from dsp_plugin.head_switch import from_heads, to_heads
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 7, 4, 3, generator=g).to(torch.bfloat16) for _ in range(3))
+    k = k * 100  # K on another scale: each tensor's chunk has its own scale
+
+    def run(comm_dtype: object, exact: tuple[str, ...]) -> tuple[list[torch.Tensor], CommAccounting]:
+        local = [split(t, 1).detach().requires_grad_(True) for t in (q, k, v)]
+        with CommAccounting(activations=False) as acct:
+            hq, hk, hv = to_heads(*local, seq_dim=1, head_dim=2, global_len=7, comm_dtype=comm_dtype, exact=exact)
+            out = from_heads(hq * hk + hv, seq_dim=1, head_dim=2, heads=4,
+                             comm_dtype=None if "out" in exact else comm_dtype)
+            out.float().square().sum().backward()
+        return [hk.detach(), out.detach(), *(t.grad for t in local)], acct
+
+    ref, a16 = run(None, ())
+    got, a8 = run("fp8", tuple(e for e in exact if e != "out"))
+    forward16 = [r.bytes_sent for r in a16.records if r.phase == "forward"]
+    forward8 = [r.bytes_sent for r in a8.records if r.phase == "forward"]
+    backward16 = [r.bytes_sent for r in a16.records if r.phase == "backward"]
+    backward8 = [r.bytes_sent for r in a8.records if r.phase == "backward"]
+    return {"fwd16": forward16, "fwd8": forward8, "bwd16": backward16, "bwd8": backward8,
+            "k_equal": bool(torch.equal(got[0], ref[0])),
+            **{f"rel_{name}": _rel(a, b) for name, a, b in zip(("k", "out", "dq", "dk", "dv"), got, ref)}}
+
+
+@pytest.mark.parametrize("exact", [(), ("k",)])
+def test_fp8_head_switch_bytes_and_an_exact_k(exact: tuple[str, ...]) -> None:
+    n = 2
+    for rank, d in enumerate(run_distributed(_heads_worker, n, exact)):
+        print(f"exact={exact} rank {rank}: {d}")
+        # to_heads: q, k, v in one all-to-all, a third of its bf16 bytes each; from_heads: out alone.
+        # backward: from_heads' adjoint (out's gradient) first, then to_heads' (q, k, v's): the same formats
+        fp8 = len([t for t in ("q", "k", "v") if t not in exact])
+
+        def expected(qkv16: int, out16: int) -> list[int]:
+            third = qkv16 // 3
+            return [fp8 * (third // 2 + SCALE * (n - 1)) + (3 - fp8) * third, out16 // 2 + SCALE * (n - 1)]
+
+        assert d["fwd8"] == expected(*d["fwd16"]), d
+        assert d["bwd8"][::-1] == expected(*d["bwd16"][::-1]), d
+        assert d["k_equal"] == ("k" in exact), d
+        assert all(0 < d[f"rel_{t}"] < 0.06 for t in ("out", "dq", "dk", "dv")), d
