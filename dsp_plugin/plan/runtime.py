@@ -129,6 +129,7 @@ class _Runtime:
             kwargs: dict[str, Any]) -> Any:
         a = _Args(module, args, kwargs)
         originals = {spec.arg: a.get(spec.arg) for spec in specs if isinstance(spec, OnShard)}
+        block: dict[str, Any] | None = None
         for spec in specs:
             if isinstance(spec, Split) and spec.arg != "out":
                 where = f"{path}: Split({spec.arg!r})"
@@ -141,7 +142,7 @@ class _Runtime:
                 elif value is not None:  # an optional input the caller left out stays out
                     a.set(spec.arg, self.split(where, value, spec))
             elif isinstance(spec, Block):
-                self.block_pre(path, a, spec)
+                block = self.block_pre(path, a, spec)
             elif isinstance(spec, Heads):
                 dispatch.install()  # a backend registered after parallelize is wrapped too
                 enter_heads(path, self.group, spec.joint, comm_dtype=self.comm_dtype, exact=spec.exact)
@@ -155,29 +156,16 @@ class _Runtime:
                 if frame is not None and frame.sharded_io and isinstance(x, torch.Tensor):
                     shape = [frame.grid[spec.dims[d]] if d in spec.dims else x.shape[d] for d in range(x.dim())]
                     a.set(spec.arg, x.new_zeros(()).expand(shape))  # the global shape, no memory
-        if not any(isinstance(spec, Heads) for spec in specs):
-            entry = self._block_entry(specs)
-            if entry is not None and entry[4]["empty"]:   # entered last, left first (post): the mode stack's order
-                entry[4]["mode"] = EmptyShardMode()
-                entry[4]["mode"].__enter__()
+        if block is not None and block["empty"] and not any(isinstance(spec, Heads) for spec in specs):
+            block["mode"] = EmptyShardMode()   # entered last, left first (block_post): the mode stack's order
+            block["mode"].__enter__()
         return a.out()
-
-    @staticmethod
-    def _block_entry(specs: list[Any]) -> tuple[Any, ...] | None:
-        """This module's open ``("block", ...)`` frame, or None."""
-        block = next((spec for spec in specs if isinstance(spec, Block)), None)
-        return None if block is None else next(
-            (f for f in reversed(frames()) if isinstance(f, tuple) and f[0] == "block" and f[1] is block), None)
 
     def post(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              output: Any) -> Any:
         # inside out, whatever the plan's order: the head switch's call closes, then the block (which tags
         # its activation), then the module's output is split or gathered
         error: Exception | None = None
-        entry = self._block_entry(specs)
-        if entry is not None and entry[4]["mode"] is not None:
-            entry[4]["mode"].__exit__(None, None, None)
-            entry[4]["mode"] = None
         for spec in reversed(specs):
             if isinstance(spec, Heads):
                 try:
@@ -242,7 +230,9 @@ class _Runtime:
             frame.shard = None
         return ops.plan_gather(where, x, spec.layout, grid, shard, self.group)
 
-    def block_pre(self, path: str, a: _Args, spec: Block) -> None:
+    def block_pre(self, path: str, a: _Args, spec: Block) -> dict[str, Any]:
+        """Place the block's activation (switching it when the block attends the sharded axis); return the
+        state of its ``("block", ...)`` frame (``pre`` opens ``EmptyShardMode`` there on an empty shard)."""
         x = a.get(spec.arg)
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{path}: the block's activation {a.name(spec.arg)!r} is {type(x).__name__}; "
@@ -275,7 +265,9 @@ class _Runtime:
             c = a.get(name)
             if isinstance(c, torch.Tensor) and shard in rows.axes:
                 a.set(name, _split_rows(f"{path}: follow {name!r}", c, rows, grid, shard, self.group))
-        frames().append(("block", spec, grid, shard, {"empty": x.numel() == 0, "mode": None}))
+        state: dict[str, Any] = {"empty": x.numel() == 0, "mode": None}
+        frames().append(("block", spec, grid, shard, state))
+        return state
 
     def on_shard(self, path: str, a: _Args, spec: OnShard, original: Any) -> None:
         frame = self.frame()
@@ -302,7 +294,10 @@ class _Runtime:
         if entry is None:
             return output
         stack.remove(entry)
-        _, _, grid, shard, _ = entry
+        _, _, grid, shard, state = entry
+        if state["mode"] is not None:
+            state["mode"].__exit__(None, None, None)
+            state["mode"] = None
         if output is None:
             return None
         first = output[0] if isinstance(output, tuple) else output
