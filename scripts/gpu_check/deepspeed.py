@@ -22,8 +22,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from scripts.gpu_check.megatron import free_port  # noqa: E402
-from scripts.gpu_check.report import finish, skip  # noqa: E402
+from scripts.gpu_check.report import finish, free_port, skip  # noqa: E402
 
 
 def main() -> None:

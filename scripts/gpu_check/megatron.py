@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import socket
 import subprocess
 import sys
 
@@ -25,19 +24,13 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from scripts.gpu_check.report import finish, skip  # noqa: E402
+from scripts.gpu_check.report import finish, free_port, skip  # noqa: E402
 from tests.megatron_launch import LOSS, RECOMPUTE  # noqa: E402
 
 # docs/composition.md's FP8 geometry (TE's FP8 GEMMs want token counts that divide by 16)
 GEOMETRY = {"FRAMES": "16", "HEIGHT": "8", "WIDTH": "8", "TEXT_LEN": "16", "ITERS": "4", "GBS": "2"}
 ROPE = ["--position-embedding-type", "rope"]   # fused RoPE: Megatron's default (needs TE)
 TOLERANCE = 5e-2     # relative, bf16/FP8 losses of DSP=2 against DSP=1
-
-
-def free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
 
 
 def launch(knobs: dict[str, str], extra: list[str], *, node_rank: int | None = None) -> subprocess.Popen:

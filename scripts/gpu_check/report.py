@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import socket
 import sys
 from typing import NoReturn
 
@@ -19,3 +20,10 @@ def finish(ok: bool, figure: str) -> NoReturn:
 def skip(reason: str) -> NoReturn:
     print(f"figure: {reason}", flush=True)
     sys.exit(SKIP)
+
+
+def free_port() -> str:
+    """A free TCP port for a launch's MASTER_PORT (steps may run side by side on one machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
