@@ -58,10 +58,19 @@ def _module(name: str) -> ModuleType:
 def test_train_dsp_frames_below_dsp_size_fails_on_every_rank() -> None:
     done = _torchrun("train_dsp", "--frames", "1", "--steps", "1")
     text = done.stdout + done.stderr
-    message = "dsp_plugin.launch.train_dsp: --frames=1 is smaller than the DSP size 2"
-    assert done.returncode != 0
-    assert text.count(message) >= 2, text[-3000:]          # both ranks, each its own traceback
+    message = "dsp_plugin.launch.train_dsp: error: --frames=1 is smaller than the DSP size 2"
+    assert done.returncode == 2, (done.returncode, text[-3000:])      # argparse's status for a usage error
+    assert text.count(message) == 2, text[-3000:]          # both ranks, one line each
+    assert len(done.stderr.strip().splitlines()) == 2, done.stderr     # and nothing else: no traceback
     assert "Kernel size" not in text and "Connection closed" not in text
+
+
+def test_train_dsp_dsp_size_that_does_not_divide_the_world_is_one_line() -> None:
+    done = _torchrun("train_dsp", "--dsp", "3", "--steps", "1")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("dsp_plugin.launch.train_dsp: error: --dsp 3 does not divide the world size 2") == 2, \
+        done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.slow
@@ -69,7 +78,9 @@ def test_train_deepspeed_frames_below_dsp_size_fails_on_every_rank() -> None:
     done = _torchrun("train_deepspeed", "--deepspeed_config", "launch/ds_config_dsp.json", "--frames", "1")
     text = done.stdout + done.stderr
     assert done.returncode != 0
-    assert text.count("dsp_plugin.launch.train_deepspeed: --frames=1 is smaller than the DSP size 2") >= 2, text[-3000:]
+    assert text.count("dsp_plugin.launch.train_deepspeed: error: --frames=1 is smaller than the DSP size 2") == 2, \
+        text[-3000:]
+    assert "Traceback" not in done.stderr, done.stderr[-3000:]
 
 
 def _preflight_error(tmp_path: Path, config: dict, **overrides: object) -> str:

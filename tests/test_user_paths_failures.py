@@ -83,6 +83,7 @@ def test_a_launch_writes_torchrun_error_file(tmp_path: Path) -> None:
                TORCHELASTIC_ERROR_FILE=str(tmp_path / "error.json"))
     done = subprocess.run([sys.executable, "-m", "dsp_plugin.launch.train_dsp", "--frames", "1", "--steps", "1"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0
+    assert done.returncode == 2, done.stderr          # an argument error: one line, argparse's status
+    assert "Traceback" not in done.stderr, done.stderr
     record = json.loads((tmp_path / "error.json").read_text())
     assert "--frames=1 is smaller than the DSP size 2" in record["message"]["message"], record

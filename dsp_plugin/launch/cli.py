@@ -9,11 +9,14 @@ launch's module directly.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import os
 import sys
+from collections.abc import Iterator
 
-__all__ = ["SCRIPTS", "missing_extra", "require_extra", "warn_renamed"]
+__all__ = ["SCRIPTS", "argument_errors", "missing_extra", "require_extra", "usage_error", "warn_renamed"]
 
 #: console script -> (module:function, extra, modules the launch imports at the top)
 SCRIPTS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
@@ -48,6 +51,38 @@ def require_extra(prog: str) -> None:
     if message is not None:
         print(message, file=sys.stderr)
         raise SystemExit(2)
+
+
+def usage_error(prog: str, message: str, exc: BaseException | None = None) -> None:
+    """An argument error as one line, ``<prog>: error: <message>``, and exit status 2 (argparse's form).
+
+    Under torchrun (``TORCHELASTIC_ERROR_FILE`` set) the error is also written to this rank's error file, so
+    torchrun's summary names it as it names an exception; no traceback is printed."""
+    prefix = f"{prog}: "
+    message = message[len(prefix):] if message.startswith(prefix) else message
+    line = f"{prog}: error: {message}"
+    print(line, file=sys.stderr, flush=True)
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if exc is not None and error_file:   # torchrun's format (ErrorHandler.record_exception), the line as traceback
+        import json
+        import time
+
+        record = {"message": f"{type(exc).__name__}: {exc}",
+                  "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}
+        with open(error_file, "w") as f:
+            json.dump({"message": record}, f)
+    raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def argument_errors(prog: str, *errors: type[BaseException]) -> Iterator[None]:
+    """Checks that need only the arguments (run alike on every rank, before any collective): a ``ValueError``
+    (or one of ``errors``) they raise becomes ``usage_error``'s one line and exit 2 on every rank instead of a
+    traceback per rank."""
+    try:
+        yield
+    except (ValueError, *errors) as exc:
+        usage_error(prog, str(exc), exc)
 
 
 def warn_renamed(prog: str, argv: list[str], renamed: dict[str, str]) -> list[str]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 from collections.abc import Iterator
 
 from megatron.core.enums import ModelType
@@ -29,11 +28,12 @@ from megatron.training import get_args, pretrain, print_rank_0
 from megatron.training.arguments import parse_and_validate_args
 
 from dsp_plugin.failures import launch_main
+from dsp_plugin.launch.cli import argument_errors
 from dsp_plugin.launch.paths import check_output_dir
 from dsp_plugin.megatron.arguments import add_dsp_arguments
-from dsp_plugin.megatron.resume import add_load_arguments, check_load_path
 from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers
 from dsp_plugin.megatron.flops import install_flops_formula
+from dsp_plugin.megatron.resume import add_load_arguments, check_load_path
 from dsp_plugin.megatron.steps import (
     SyntheticVideoDataset,
     add_model_arguments,
@@ -110,6 +110,9 @@ def close_process_group_on_success() -> Iterator[None]:
     meet_and_close()
 
 
+PROG = "dsp_plugin.launch.pretrain_stdit"
+
+
 @launch_main
 def main() -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
@@ -124,13 +127,14 @@ def main() -> None:
         fail_on_silent_exit_in_load()  # Megatron's loader sys.exit()s with status 0 on some errors
         install_flops_formula()  # throughput in this model's FLOPs, not the GPT formula
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
-        fresh = check_load_path(args)  # --load of nothing is refused unless it is --save (auto-resume)
+        with argument_errors(PROG):   # one line per rank, exit 2, torchrun's error file names it
+            fresh = check_load_path(args)  # --load of nothing is refused unless it is --save (auto-resume)
+            if not cuda_is_real():
+                refuse_cuda_only_options(args)
+            if args.save:   # every rank writes its part of a checkpoint: every rank checks, before pretrain()
+                check_output_dir("--save", args.save)
         if fresh:
             print_rank_0(f"> {fresh}")
-        if not cuda_is_real():
-            refuse_cuda_only_options(args)
-        if args.save:   # every rank writes its part of a checkpoint: every rank checks, before pretrain()
-            check_output_dir("--save", args.save)
         print_rank_0(f"> sequence parallel mode: {args.sequence_parallel_mode}, dsp size {args.dsp_size} "
                      f"(Megatron context-parallel slot), tp {args.tensor_model_parallel_size}, "
                      f"pp {args.pipeline_model_parallel_size}, dp {args.data_parallel_size}")

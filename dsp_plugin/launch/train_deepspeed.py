@@ -42,7 +42,7 @@ from dsp_plugin.deepspeed import checkpoint, initialize  # DSP (was: deepspeed.i
 from dsp_plugin.deepspeed.config import require_dsp_config
 from dsp_plugin.deepspeed.engine import load_config
 from dsp_plugin.failures import launch_main, reporting
-from dsp_plugin.launch.cli import warn_renamed
+from dsp_plugin.launch.cli import argument_errors, warn_renamed
 from dsp_plugin.launch.paths import check_output_file
 from dsp_plugin.log import setup
 from dsp_plugin.models import STDiT, STDiTConfig
@@ -91,11 +91,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+PROG = "dsp_plugin.launch.train_deepspeed"
+
+
 def preflight(args: argparse.Namespace) -> None:
     """Every check that needs only the arguments, on every rank alike, before any collective."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    settings = require_dsp_config(load_config(args), world_size=world, who="dsp_plugin.launch.train_deepspeed")
-    check_divisible_lengths("dsp_plugin.launch.train_deepspeed",
+    settings = require_dsp_config(load_config(args), world_size=world, who=PROG)
+    check_divisible_lengths(PROG,
                             {"--frames": args.frames, "spatial tokens (--size/2)**2": (args.size // 2) ** 2},
                             settings.size)
     if args.save_dir:
@@ -110,7 +113,9 @@ def preflight(args: argparse.Namespace) -> None:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    preflight(args)
+    # a bad argument: one line per rank, exit 2, and torchrun's error file names it
+    with argument_errors(PROG, checkpoint.CheckpointError, OSError):
+        preflight(args)
     try:
         with reporting():   # this rank's own error posted for its peers, a peer's named (dsp_plugin.failures)
             train(args)

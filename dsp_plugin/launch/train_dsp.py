@@ -35,6 +35,7 @@ from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.failures import launch_main, reporting
+from dsp_plugin.launch.cli import argument_errors
 from dsp_plugin.launch.paths import check_output_file
 from dsp_plugin.log import setup
 from dsp_plugin.models import STDiT, STDiTConfig
@@ -77,19 +78,39 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+PROG = "dsp_plugin.launch.train_dsp"
+
+
+def preflight(args: argparse.Namespace, world: int) -> int:
+    """Every check that needs only the arguments, alike on every rank, before any collective; the DSP size.
+
+    Under ``argument_errors`` a failure is one line per rank (``dsp_plugin.launch.train_dsp: error: ...``),
+    exit 2, and torchrun's error file names it."""
+    dsp = args.dsp if args.dsp is not None else world
+    if dsp < 1 or world % dsp:
+        raise ValueError(f"--dsp {dsp} does not divide the world size {world}; expected a divisor of {world} "
+                         f"(DP = world / DSP)" + ("" if world > 1 else ": one process is DSP 1; launch "
+                                                  "with torchrun --nproc-per-node N for more"))
+    if args.steps < 1 or args.batch_size < 1:
+        raise ValueError(f"--steps {args.steps} and --batch-size {args.batch_size}: expected both >= 1")
+    check_divisible_lengths(PROG, {"--frames": args.frames,
+                                   "spatial tokens (--height/2)*(--width/2)": (args.height // 2) * (args.width // 2)},
+                            dsp)
+    if args.out:   # rank 0 writes it; every rank checks (the same shared path), before any collective
+        check_output_file("--out", args.out)
+    if args.compare and not args.compare.is_file():
+        raise ValueError(f"--compare {str(args.compare)!r} is not a file; expected the --out JSON of an earlier run")
+    return dsp
+
+
 @launch_main
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     distributed = world > 1
-    # Every rank checks the same arguments before any collective: an empty shard fails alike everywhere.
-    dsp = args.dsp if args.dsp is not None else world
-    check_divisible_lengths("dsp_plugin.launch.train_dsp", {"--frames": args.frames,
-                                                            "spatial tokens (--height/2)*(--width/2)":
-                                                            (args.height // 2) * (args.width // 2)}, dsp)
-    if args.out:   # rank 0 writes it; every rank checks (the same shared path), before any collective
-        check_output_file("--out", args.out)
+    with argument_errors(PROG):   # the same arguments on every rank: every rank stops alike, one line each
+        preflight(args, world)
     try:
         if distributed:
             device = runtime.init_distributed(timeout_s=args.timeout).device
