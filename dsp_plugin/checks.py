@@ -36,8 +36,8 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["CallFingerprint", "CrossRankMismatch", "InputMismatch", "check_mode", "decode_text", "describe_inputs",
-           "encode_text", "exchanging", "forget_signatures", "input_fingerprint", "input_words", "judge",
-           "needs_check", "needs_check_for", "remember", "set_check_mode", "value_fingerprint"]
+           "describe_wire", "encode_text", "exchanging", "forget_signatures", "input_fingerprint", "input_words",
+           "judge", "needs_check", "needs_check_for", "remember", "set_check_mode", "value_fingerprint", "wire_code"]
 
 _MODES = {"1": "always", "always": "always", "": "first", "first": "first", "0": "off", "off": "off"}
 _mode: str | None = None
@@ -51,7 +51,7 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _MAX_DIMS = 12
 _MSG_BYTES = 320
 _HEADER = ("op", "dtype", "ndim", "cur", "tgt", "global_len", "local_len", "group_size", "group_hash", "device",
-           "replicated")
+           "replicated", "wire")
 LENGTH = 1 + len(_HEADER) + _MAX_DIMS + 1 + _MSG_BYTES // 8   # int64 words
 _MAGIC = 0x44535031  # "DSP1"
 MAGIC = _MAGIC
@@ -230,20 +230,47 @@ class CallFingerprint:
     device: str
     error: str = ""   # this rank's own error, raised on every rank
     replicated: int = -1  # tokens every rank holds whole beside its shard (joint attention's text), -1 if none
+    wire: int = 0     # the payload's wire format (``wire_code``): 0 is the activation's own dtype
 
     def signature(self) -> tuple[object, ...]:
         return (self.op, self.dtype, self.shape, self.cur, self.tgt, self.global_len, self.local_len,
-                self.group_size, self.group_hash, self.device, self.replicated)
+                self.group_size, self.group_hash, self.device, self.replicated, self.wire)
 
     def encode(self) -> list[int]:
         msg = self.error.encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
         dtype = _DTYPES.index(self.dtype) if self.dtype in _DTYPES else (-1 if self.dtype is None else 99)
         header = [_OPS.index(self.op), dtype, len(self.shape), self.cur, self.tgt, self.global_len,
                   self.local_len, self.group_size, self.group_hash, {"cpu": 0, "cuda": 1}.get(self.device, 2),
-                  self.replicated]
+                  self.replicated, self.wire]
         shape = list(self.shape[:_MAX_DIMS]) + [-2] * (_MAX_DIMS - len(self.shape[:_MAX_DIMS]))
         words = [int.from_bytes(msg[i:i + 8], "little", signed=True) for i in range(0, _MSG_BYTES, 8)]
         return [_MAGIC, *header, *shape, len(self.error.encode()[:_MSG_BYTES]), *words]
+
+
+_WIRE_DTYPES = (None, torch.float8_e4m3fn, torch.float8_e5m2)   # None: the activation's own dtype
+
+
+def wire_code(forward: Sequence[torch.dtype | None], grad: Sequence[torch.dtype | None]) -> int:
+    """A switch's wire format as one int: per tensor (at most 7), 2 bits of its forward format and 2 of its
+    gradient's (``_WIRE_DTYPES``); ``0`` when everything travels in the activation's dtype. Ranks that disagree
+    would send buffers of different sizes in the same all-to-all."""
+    code = 0
+    for i, (f, g) in enumerate(zip(forward, grad)):
+        code |= (_WIRE_DTYPES.index(f) | _WIRE_DTYPES.index(g) << 2) << 4 * i
+    return code
+
+
+def describe_wire(code: int) -> str:
+    """``wire_code`` in words: the activation's dtype, or the formats per tensor position (``exact``: its dtype)."""
+    if code == 0:
+        return "the activation's dtype (comm_dtype=None)"
+    names = {None: "exact", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+    parts = []
+    for i in range(max(i for i in range(8) if code >> 4 * i & 15) + 1):   # up to the last tensor sent in FP8
+        nibble = code >> 4 * i & 15
+        parts.append(f"#{i} " + (f"{names[_WIRE_DTYPES[nibble & 3]]}/{names[_WIRE_DTYPES[nibble >> 2]]}"
+                                  if nibble else "exact"))
+    return "fp8 (tensor: forward/gradient; " + ", ".join(parts) + ")"
 
 
 def _decode(words: Sequence[int]) -> dict[str, object]:
@@ -295,7 +322,10 @@ def _describe(field: str, values: list[object], cur: int) -> str:
              "tgt": "the target dim", "shape": "the shape (sharded dim as -1)", "group_hash": "the group",
              "op": "the primitive", "local_len": "the local length",
              "replicated": "the count of replicated tokens (held whole by every rank beside its shard, e.g. the "
-                           "text of joint attention)"}
+                           "text of joint attention)",
+             "wire": "the wire format (comm_dtype; forward/gradient per tensor)"}
+    if field == "wire":
+        by_rank = ", ".join(f"{describe_wire(int(v))} on rank {r}" for r, v in enumerate(values))  # type: ignore[arg-type]
     return f"{names.get(field, field)} is {by_rank}"
 
 
@@ -319,7 +349,7 @@ def judge(op: str, table: list[list[int]], ranks: Sequence[int], chunk_sizes) ->
         raise CrossRankMismatch(f"{op}: rank(s) {[r for r, _ in failed]} of group {list(ranks)} rejected their "
                                 f"input before the collective, so every rank stops here. {detail}")
     cur = int(rows[0]["cur"])
-    for field in ("op", "group_hash", "group_size", "dtype", "device", "cur", "tgt", "replicated", "shape",
+    for field in ("op", "group_hash", "group_size", "dtype", "device", "cur", "tgt", "replicated", "wire", "shape",
                   "global_len"):
         values = [row[field] for row in rows]
         if any(v != values[0] for v in values):

@@ -102,3 +102,36 @@ def test_fp8_head_switch_bytes_and_an_exact_k(exact: tuple[str, ...]) -> None:
         assert d["bwd8"][::-1] == expected(*d["bwd16"][::-1]), d
         assert d["k_equal"] == ("k" in exact), d
         assert all(0 < d[f"rel_{t}"] < 0.06 for t in ("out", "dq", "dk", "dv")), d
+
+
+def _mixed_wire_worker(rank: int, n: int, op: str, exact_on_rank1: bool) -> str:
+    """Rank 0 asks for FP8, rank 1 for the activation's dtype (or FP8 with K exact): the check must stop both."""
+    from dsp_plugin.comm import dynamic_switch, split
+    from dsp_plugin.head_switch import to_heads
+
+    full = torch.randn(2, 6, 4, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    comm_dtype = "fp8" if rank == 0 or exact_on_rank1 else None
+    try:
+        if op == "dynamic_switch":
+            dynamic_switch(split(full, 1), 1, 2, global_len=6, comm_dtype=comm_dtype)
+        else:
+            x = split(full, 1)
+            to_heads(x, x, x, seq_dim=1, head_dim=2, global_len=6, comm_dtype=comm_dtype,
+                     exact=("k",) if rank == 1 and exact_on_rank1 else ())
+    except ValueError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("op,exact_on_rank1", [("dynamic_switch", False), ("to_heads", False), ("to_heads", True)])
+def test_ranks_disagreeing_on_the_wire_format_stop_before_the_all_to_all(op: str, exact_on_rank1: bool) -> None:
+    """Under the default check (first call of a signature) the wire format is part of the fingerprint: an FP8
+    rank beside a bf16 rank (a config set on one node only) would otherwise exchange buffers of different sizes."""
+    messages = run_distributed(_mixed_wire_worker, 2, op, exact_on_rank1)
+    print(messages[0])
+    assert messages[0] == messages[1], messages               # the same error on every rank
+    assert messages[0].startswith("CrossRankMismatch"), messages[0]
+    assert "the wire format (comm_dtype; forward/gradient per tensor)" in messages[0], messages[0]
+    expected = ("#1 exact, #2 e4m3/e4m3) on rank 1" if exact_on_rank1
+                else "the activation's dtype (comm_dtype=None) on rank 1")
+    assert expected in messages[0], messages[0]

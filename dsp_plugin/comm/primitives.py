@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dsp_plugin import layout
+from dsp_plugin import checks, layout
 from dsp_plugin.comm import payload, traced
 from dsp_plugin.comm.agree import _agree, _check_global_len, _check_tensor, _normalize_dim
 from dsp_plugin.comm.collectives import _all_gather_tensor, all_to_all_single
@@ -263,11 +263,13 @@ def _traced_len(name: str, global_len: int | None) -> int:
 
 def _prepare_switch(name: str, x: object, cur_shard: object, tgt_shard: object,
                     group: dist.ProcessGroup | None, global_len: object,
-                    options: Callable[[torch.Tensor], Any]) -> tuple[Any, ...] | None:
+                    options: Callable[[torch.Tensor], Any],
+                    wire: Callable[[Any], int] | None = None) -> tuple[Any, ...] | None:
     """Check a switch's arguments and agree with the group; None on a group of size 1.
 
     Returns ``(cur, tgt, cur_full, group, n, rank, options(x))``. ``options``
-    checks the caller's own arguments; its errors travel like the others.
+    checks the caller's own arguments; its errors travel like the others. ``wire``
+    maps ``options(x)`` to the payload's ``checks.wire_code``, which the ranks compare.
     """
     group, n, rank = _member(name, group)
     error, cur, tgt, known, extra = None, -1, -1, None, None
@@ -289,8 +291,9 @@ def _prepare_switch(name: str, x: object, cur_shard: object, tgt_shard: object,
     if known is None and error is None:
         known = layout.global_len_of(x, cur)  # type: ignore[arg-type]
     # the fingerprint names the collective's primitive: both callers issue a switch
+    code = 0 if wire is None or extra is None else wire(extra)
     cur_full = _agree("dynamic_switch", x, cur=cur, tgt=tgt, known_len=known, group=group, n=n, rank=rank,
-                      error=error)
+                      error=error, wire=code)
     count_sharded_call()
     return cur, tgt, cur_full, group, n, rank, extra
 
@@ -328,7 +331,11 @@ def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
         return (None if fold_for is None else _normalize_dim("dynamic_switch", "fold_for", fold_for, x.dim()),
                 wire)
 
-    call = _prepare_switch("dynamic_switch", x, cur_shard, tgt_shard, group, global_len, options)
+    def wire_of(extra: tuple[Any, payload.Payload | None]) -> int:
+        fmt = extra[1]
+        return 0 if fmt is None else checks.wire_code((fmt.forward,), (fmt.grad,))
+
+    call = _prepare_switch("dynamic_switch", x, cur_shard, tgt_shard, group, global_len, options, wire_of)
     if call is None:
         return x
     cur, tgt, cur_full, group, n, rank, (fold_for, wire) = call

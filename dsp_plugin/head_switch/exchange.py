@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from dsp_plugin import layout
+from dsp_plugin import checks, layout
 from dsp_plugin.comm import agree, collectives, group_resolution, payload
 from dsp_plugin.head_switch.arg_checks import check_qkv, check_replicated
 from dsp_plugin.packing import chunk_sizes, offsets
@@ -329,7 +329,7 @@ def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int
         full = known  # traced: no cross-rank check (a host sync); autograd through the functional all-to-all
     else:
         full = agree._agree("to_heads", probe, cur=seq, tgt=head, known_len=known, group=group, n=n, rank=rank,
-                           error=error, replicated=count)
+                           error=error, replicated=count, wire=checks.wire_code(*formats))
     heads = q.shape[head]
     q_ranges, kv_ranges = tuple(head_ranges(heads, n)), tuple(kv_head_ranges(heads, kv_heads, n))
     ex = _Exchange(seq, head, tuple(chunk_sizes(full, n)), (q_ranges, kv_ranges, kv_ranges),
@@ -398,8 +398,9 @@ def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = N
     if torch.compiler.is_compiling() and error is None and known is not None:
         total = known  # traced (see to_heads)
     else:
+        wire = checks.wire_code(*(f[:1 if replicated is None else 2] for f in formats))
         total = agree._agree("from_heads", out, cur=head, tgt=seq, known_len=known, group=group, n=n, rank=rank,
-                            error=error, replicated=count)
+                            error=error, replicated=count, wire=wire)
     apply = (lambda ex, *ts: _heads_to_seq(ts, ex)) if torch.compiler.is_compiling() else _FromHeads.apply
     ranges = tuple(head_ranges(total, n))
     if replicated is None:
