@@ -3,7 +3,8 @@
 Oracle: ``AutoencoderKLWan.tiled_decode`` (and ``WanPipeline.__call__`` with ``vae.enable_tiling``) on one
 process. The tiny pipeline's 16x16 pixels are 8x8 latents; tiles of 8x12 pixels at strides 6x8 are 4x6 latents
 at strides 3x4: 3 rows (at 0, 3, 6) x 2 columns (at 0, 4) = 6 tiles, overlapping by 2 and 4 pixels. Round-robin:
-3 tiles per rank on DSP 2, 2-2-1-1 on DSP 4; a 1x2 grid on DSP 4 leaves two ranks without a tile.
+3 tiles per rank on DSP 2, 2-2-1-1 on DSP 4, 3 per rank of each DSP group under CFG 2 x DSP 2; a 1x2 grid on
+DSP 4 leaves two ranks without a tile.
 """
 
 from __future__ import annotations
@@ -81,10 +82,22 @@ def test_split_copy_equals_diffusers_tiled_decode_one_process() -> None:
             assert got.shape == expected.shape and torch.equal(got, expected), (got - expected).abs().max()
 
 
+def _cfg_parallel(expected: torch.Tensor) -> dict:
+    """CFG 2 x DSP 2: each 2-rank DSP group splits the tiles (both CFG halves decode the video)."""
+    dsp_group, cfg_group = sampling_groups(cfg_parallel=True)
+    pipe = _pipe()
+    sampler = parallelize_wan_pipeline(pipe, dsp_group=dsp_group, cfg_group=cfg_group)
+    calls = _decoder_calls(pipe.vae)
+    frames = sampler(**_kwargs()).frames
+    return {"equal": torch.equal(frames, expected), "diff": (frames - expected).abs().max().item(),
+            "calls": len(calls)}
+
+
 def _sample(rank: int, n: int) -> dict:
     reference = _pipe()
     reference_calls = _decoder_calls(reference.vae)
     expected = reference(**_kwargs()).frames                  # diffusers' WanPipeline with tiling, one process
+    cfg = _cfg_parallel(expected) if n == 4 else None
 
     dsp_group, cfg_group = sampling_groups(cfg_parallel=False)
     pipe = _pipe()
@@ -99,7 +112,7 @@ def _sample(rank: int, n: int) -> dict:
         frames = sampler(**_kwargs(), callback_on_step_end=on_step).frames
     result = {"diff": (frames - expected).abs().max().item(), "equal": torch.equal(frames, expected),
               "per_step": per_step, "after_loop": [r.op for r in acct.records[sum(map(len, per_step)):]],
-              "calls": len(calls), "reference_calls": len(reference_calls), "tile_sizes": sorted(set(calls))}
+              "calls": len(calls), "reference_calls": len(reference_calls), "cfg": cfg}
 
     # the decode alone, bitwise: the sampler's decode on this rank's latent frames vs diffusers' on all of them
     with torch.no_grad():
@@ -132,7 +145,7 @@ def test_wan_tiled_decode_split_over_dsp_equals_single_process(n: int) -> None:
         print(f"n={n} rank {rank}: max |diff| {d['diff']:.3g} (bitwise {d['equal']}); after the loop "
               f"{d['after_loop']}; decoder calls {d['calls']} (one process {d['reference_calls']}); "
               f"decode alone bitwise {d['decode']['equal']}, {d['decode']['ops']}; wan22 {d['wan22']}; "
-              f"wide {d['wide']}")
+              f"wide {d['wide']}; cfg 2 x dsp 2 {d['cfg']}")
         assert d["equal"], f"rank {rank}/{n}: differs by {d['diff']:.3g}"
         assert d["reference_calls"] == TILES * LATENT_FRAMES, d["reference_calls"]
         # this rank's tiles only, each through every latent frame
@@ -147,3 +160,6 @@ def test_wan_tiled_decode_split_over_dsp_equals_single_process(n: int) -> None:
         assert d["wan22"]["calls"] == len(owned_tiles(6, n, rank)) * LATENT_FRAMES, d["wan22"]   # 3x2 tiles
         assert d["wide"]["equal"], d["wide"]
         assert d["wide"]["calls"] == len(owned_tiles(2, n, rank)) * LATENT_FRAMES, d["wide"]     # 0 on 2 of 4
+        if n == 4:      # CFG 2 x DSP 2: DSP rank = rank % 2 (sampling_groups keeps DSP ranks adjacent)
+            assert d["cfg"]["equal"], d["cfg"]
+            assert d["cfg"]["calls"] == len(owned_tiles(TILES, 2, rank % 2)) * LATENT_FRAMES, d["cfg"]
