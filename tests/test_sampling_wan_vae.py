@@ -93,6 +93,15 @@ def _cfg_parallel(expected: torch.Tensor) -> dict:
             "calls": len(calls)}
 
 
+def test_a_tile_of_an_unexpected_shape_raises() -> None:
+    """The tile shapes are computed, not sent: a decoder whose output differs (a diffusers change) is named.
+    (Flagged in the exchanged buffer, so every rank raises after the one all_gather: the 2-rank test below.)"""
+    vae = _pipe().vae
+    vae.decoder.register_forward_hook(lambda m, a, out: out[..., :-1])        # one pixel narrower
+    with torch.no_grad(), pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] decoded a tile of another shape"):
+        split_tiled_decode(vae, _latents(1), group=None)
+
+
 def _sample(rank: int, n: int) -> dict:
     reference = _pipe()
     reference_calls = _decoder_calls(reference.vae)
@@ -133,6 +142,15 @@ def _sample(rank: int, n: int) -> dict:
             video = split_tiled_decode(vae, z, group=dsp_group).sample
             result[tag] = {"equal": torch.equal(video, expected_video), "calls": len(tile_calls),
                            "diff": (video - expected_video).abs().max().item()}
+        if n == 2:     # rank 0's decoder returns a tile of another shape: both ranks raise, naming rank 0
+            vae = _pipe().vae
+            if rank == 0:
+                vae.decoder.register_forward_hook(lambda m, a, out: out[..., :-1])
+            try:
+                split_tiled_decode(vae, _latents(1), group=dsp_group)
+                result["bad_shape"] = "no error"
+            except RuntimeError as exc:
+                result["bad_shape"] = str(exc)
     return result
 
 
@@ -160,6 +178,8 @@ def test_wan_tiled_decode_split_over_dsp_equals_single_process(n: int) -> None:
         assert d["wan22"]["calls"] == len(owned_tiles(6, n, rank)) * LATENT_FRAMES, d["wan22"]   # 3x2 tiles
         assert d["wide"]["equal"], d["wide"]
         assert d["wide"]["calls"] == len(owned_tiles(2, n, rank)) * LATENT_FRAMES, d["wide"]     # 0 on 2 of 4
+        if n == 2:
+            assert "rank(s) [0] decoded a tile of another shape" in d["bad_shape"], d["bad_shape"]
         if n == 4:      # CFG 2 x DSP 2: DSP rank = rank % 2 (sampling_groups keeps DSP ranks adjacent)
             assert d["cfg"]["equal"], d["cfg"]
             assert d["cfg"]["calls"] == len(owned_tiles(TILES, 2, rank % 2)) * LATENT_FRAMES, d["cfg"]
