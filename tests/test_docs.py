@@ -158,7 +158,8 @@ RULES: list[Rule] = [
     Rule(r"dsp_plugin\.launch\.sample_latte", "check",
          "tests/test_sampling_launch.py runs these on 1, 2 and 4 processes"),
     Rule(r"dsp_plugin\.launch\.sample\b|dsp-sample\b", "check",
-         "tests/test_sample_command.py runs torchrun on 2 processes (with and without --cfg-parallel) and --dsp 2"),
+         "tests/test_sample_command.py runs torchrun on 2 processes (with and without --cfg-parallel, and with "
+         "--vae-tiling) and --dsp 2"),
     Rule(r"docs/(models|inference)\.md:python", "covered",
          tests=("tests/test_adapters_docs.py::test_python_blocks_run",)),
     Rule(r"pytest -s tests/test_sampling_latte\.py", "covered", tests=("tests/test_sampling_latte.py",)),

@@ -77,6 +77,27 @@ def test_torchrun_tiny_wan_mp4_equals_one_process(tmp_path: Path, cfg: bool) -> 
 
 
 @pytest.mark.slow
+def test_torchrun_tiny_wan_vae_tiling_equals_one_process(tmp_path: Path) -> None:
+    """``--vae-tiling``: the tiny VAE's 2x2 tiles split over 2 ranks; the frames are one process's, tiled alike."""
+    from dsp_plugin.launch.sample import TINY_WAN_TILES
+    from dsp_plugin.testing.tiny import tiny_wan_pipeline
+
+    done = _command(["--model", "tiny-wan", "--vae-tiling", "--output", str(tmp_path / "v.pt")], nproc=2,
+                    log_dir=tmp_path / "logs")
+    log = next((tmp_path / "logs").rglob("0/stderr.log")).read_text()
+    assert done.returncode == 0, done.stderr[-3000:] + log[-3000:]
+    assert "dsp(2), VAE tiles 12x12 at stride 8x8, 9 frames 16x16" in log, log[-2000:]
+    pipe = tiny_wan_pipeline(layers=2)
+    pipe.set_progress_bar_config(disable=True)
+    pipe.vae.enable_tiling(**TINY_WAN_TILES)
+    expected = pipe(**WAN, generator=torch.Generator().manual_seed(0), output_type="np").frames
+    frames = torch.load(tmp_path / "v.pt", weights_only=True).numpy()
+    diff = np.abs(frames - expected).max()
+    print(f"tiny-wan --vae-tiling, 2 processes dsp(2): frames max |diff| {diff:.3g} vs one process, tiled alike")
+    assert frames.shape == expected.shape and diff == 0, diff
+
+
+@pytest.mark.slow
 def test_spawned_tiny_latte_gif_and_frames_equal_one_process(tmp_path: Path) -> None:
     """No torchrun: ``--dsp 2`` starts 2 processes itself; the .gif's frames are the one-process frames'."""
     from PIL import Image
@@ -110,6 +131,7 @@ def test_spawned_tiny_latte_gif_and_frames_equal_one_process(tmp_path: Path) -> 
     (["--dsp", "4", "--num-frames", "5"], "--num-frames 5 gives 3 latent frames, fewer than --dsp 4; expected "
                                           "--num-frames >= 7"),
     (["--steps", "0"], "--steps 0: expected a positive integer"),
+    (["--model", "tiny-latte", "--vae-tiling"], "--vae-tiling with --model tiny-latte: the tiles are Wan's"),
     (["--output", "/proc/v.mp4"], "--output '/proc' cannot be written"),  # checked before any process
 ])
 def test_argument_errors_are_one_line_before_any_process(args: list[str], message: str,

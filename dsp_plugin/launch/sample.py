@@ -1,6 +1,7 @@
 """``dsp-sample``: sample a video with a diffusers pipeline on N processes, the latents sharded over DSP.
 
     torchrun --nproc-per-node 2 -m dsp_plugin.launch.sample --model tiny-wan --output out/v.mp4
+    torchrun --nproc-per-node 2 -m dsp_plugin.launch.sample --model tiny-wan --vae-tiling --output out/v.mp4
     dsp-sample --model tiny-wan --dsp 2 --cfg-parallel --output out/v.gif     # spawns 4 processes itself
     dsp-sample --model /path/to/WanPipeline --prompt "a cat walks on the grass" --num-frames 81 --output v.mp4
 
@@ -28,6 +29,9 @@ BUILTIN = ("tiny-wan", "tiny-latte")
 OUTPUTS = (".mp4", ".gif", ".pt")
 DTYPES = ("float32", "bfloat16", "float16")
 PROG = "dsp-sample"
+#: --vae-tiling on tiny-wan: diffusers' default tiles (256 pixels) exceed its 16x16 video; these make 2x2 tiles there
+TINY_WAN_TILES = {"tile_sample_min_height": 12, "tile_sample_min_width": 12, "tile_sample_stride_height": 8,
+                  "tile_sample_stride_width": 8}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -52,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "halved with --cfg-parallel; 1 without torchrun)")
     p.add_argument("--cfg-parallel", action="store_true",
                    help="run the conditional and unconditional halves on a 2-way axis (world = 2 x --dsp)")
+    p.add_argument("--vae-tiling", action="store_true",
+                   help="Wan: decode in spatial tiles (vae.enable_tiling; diffusers' default tiles of 256 pixels "
+                        "at stride 192, tiny-wan 12 at stride 8), each DSP rank decoding its share of the tiles "
+                        "(default off: every rank decodes the whole video)")
     p.add_argument("--output", action="append", default=[], metavar="FILE{.mp4,.gif,.pt}",
                    help="written by rank 0; repeat for several (e.g. --output v.mp4 --output v.pt)")
     p.add_argument("--fps", type=int, default=8, help="frames per second of .mp4 and .gif (default 8)")
@@ -104,6 +112,9 @@ def check_args(args: argparse.Namespace, torchrun_world: int | None) -> int:
             check_output_dir("--save-pretrained", args.save_pretrained)
         except OutputPathError as exc:
             fail(str(exc))
+    if args.vae_tiling and args.model == "tiny-latte":
+        fail("--vae-tiling with --model tiny-latte: the tiles are Wan's (AutoencoderKLWan); Latte's VAE already "
+             "decodes each rank's frames; expected a Wan model, or no --vae-tiling")
     if args.cfg_parallel and args.guidance <= 1.0:
         fail(f"--cfg-parallel with --guidance {args.guidance}: guidance <= 1 turns classifier-free guidance off; "
              f"expected --guidance > 1, or no --cfg-parallel")
@@ -234,6 +245,11 @@ def sample(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(max(1, torch.get_num_threads() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", world)))))
     pipe, kind = load(args)
     pipe = pipe.to(device)
+    if args.vae_tiling:
+        if kind != "wan":
+            raise ValueError(f"{PROG}: --vae-tiling tiles Wan's VAE (AutoencoderKLWan); --model {args.model} holds "
+                             f"a {type(pipe).__name__}; expected a WanPipeline, or no --vae-tiling")
+        pipe.vae.enable_tiling(**(TINY_WAN_TILES if args.model == "tiny-wan" else {}))
     if args.save_pretrained and rank == 0:
         pipe.save_pretrained(args.save_pretrained)
     dsp_group, cfg_group = sampling_groups(cfg_parallel=args.cfg_parallel)
@@ -244,6 +260,10 @@ def sample(args: argparse.Namespace) -> dict[str, Any]:
     frames = sampler(**call).frames                  # [B, T, H, W, 3], float in [0, 1], on every rank
     seconds = time.perf_counter() - start
     layout = f"cfg(2) x dsp({world // 2})" if args.cfg_parallel else f"dsp({world})"
+    if args.vae_tiling:
+        vae = pipe.vae
+        layout += (f", VAE tiles {vae.tile_sample_min_height}x{vae.tile_sample_min_width} at stride "
+                   f"{vae.tile_sample_stride_height}x{vae.tile_sample_stride_width}")
     log.info("%s: %s, %d process(es): %s, %d frames %dx%d, %d steps, on %s: %.2f s", PROG, args.model, world,
              layout, frames.shape[1], frames.shape[2], frames.shape[3], args.steps, device.type, seconds)
     if rank == 0:

@@ -12,6 +12,8 @@ runs ``WanPipeline.__call__`` unmodified with the parts of ``FrameShardedSampler
                   uncond call on the other, exchanged
     end: gather the latents, decode on every rank               one all_gather, in vae.decode
          (Wan's VAE is causal in time: a frame's pixels depend on the frames before it)
+         with vae.enable_tiling(): each rank decodes its spatial   one more all_gather (the tiles)
+         tiles, every rank blends them (``wan_vae``)
 
 F counts latent frames: ``(num_frames - 1) // vae_scale_factor_temporal + 1``. The pipeline's options run
 as diffusers runs them: Wan 2.2's two-stage layout (``transformer_2`` and ``boundary_ratio``: both
@@ -26,7 +28,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsp_plugin.comm import group_size
 from dsp_plugin.pipelines.frame_sharded import FrameShardedSampler
+from dsp_plugin.pipelines.wan_vae import split_tiled_decode
 
 __all__ = ["DSPWanPipeline", "parallelize_wan_pipeline"]
 
@@ -82,13 +86,27 @@ class DSPWanPipeline(FrameShardedSampler):
         return {"F": frames, "HW": (hidden_states.shape[3] // ph) * (hidden_states.shape[4] // pw)}
 
     def decode_parts(self, frames: int) -> list[tuple[Any, str, Any]]:
-        """``vae.decode`` on the gathered latents (the causal VAE needs every earlier frame): one all_gather."""
+        """``vae.decode`` on the gathered latents (one all_gather), with its spatial tiles split over the DSP ranks.
+
+        Wan's VAE is causal in time (a feature cache carried from frame to frame): a frame's pixels depend on
+        every earlier latent frame, so the frames cannot be decoded apart; the latents are gathered first. With
+        ``vae.enable_tiling()`` and latents larger than one tile (``_decode``'s own test, which still decides),
+        ``vae.tiled_decode`` is replaced for the call: each rank decodes its share of the spatial tiles through
+        every frame and the tiles are exchanged in one more all_gather (``wan_vae.split_tiled_decode``, equal to
+        diffusers' ``tiled_decode``). Without tiling, or within one tile, every rank decodes the whole video.
+        """
         vae, decode = self.pipe.vae, self.pipe.vae.decode
 
         def gathered(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             return decode(self.unshard(z, frames), *args, **kwargs)
 
-        return [(vae, "decode", gathered)]
+        parts: list[tuple[Any, str, Any]] = [(vae, "decode", gathered)]
+        if group_size(self.dsp_group) > 1:
+            def split(z: torch.Tensor, return_dict: bool = True) -> Any:
+                return split_tiled_decode(vae, z, return_dict, group=self.dsp_group)
+
+            parts.append((vae, "tiled_decode", split))
+        return parts
 
 
 def parallelize_wan_pipeline(pipe: Any, *, dsp_group: dist.ProcessGroup | None = None,
