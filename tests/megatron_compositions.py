@@ -71,7 +71,7 @@ TWO_RANK_COMPOSITIONS: dict[str, tuple[int, int, int, int, int, Recompute]] = {
 
 
 def tiny_config(tp: int, pp: int, *, recompute: Recompute = False, dtype: str = "fp32",
-                variant: str = "plain") -> Any:
+                variant: str = "plain", comm_dtype: str | None = None) -> Any:
     from dsp_plugin.megatron.steps import dsp_config, gelu_tanh
 
     method, layers = recompute if isinstance(recompute, tuple) else ("uniform", 1)
@@ -100,7 +100,7 @@ def tiny_config(tp: int, pp: int, *, recompute: Recompute = False, dtype: str = 
         use_cpu_initialization=True, perform_initialization=False, layernorm_epsilon=1e-6,
         activation_func=gelu_tanh, bias_dropout_fusion=False, masked_softmax_fusion=False,
         gradient_accumulation_fusion=False, apply_rope_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
-        deallocate_pipeline_outputs=True, **recompute_args)
+        deallocate_pipeline_outputs=True, dsp_comm_dtype=comm_dtype, **recompute_args)
 
 
 def dataset(steps: int, variant: str = "plain") -> Any:
@@ -355,9 +355,11 @@ def max_relative_differences(reference: dict[str, Any], per_rank: list[dict[str,
     return {"losses": losses, "grads": grads, "outputs": outputs}
 
 
-def run_precision(rank: int, world_size: int, cases: list[tuple[int, str]]) -> list[dict[str, Any]]:
-    """For each ``(dsp, dtype)``: the model under megatron-core's ``Float16Module`` (bf16/fp16) or bare (fp32),
-    one forward and backward on the same 2 samples; the full output and the gradients summed over DSP.
+def run_precision(rank: int, world_size: int, cases: list[tuple]) -> list[dict[str, Any]]:
+    """For each ``(dsp, dtype[, options])``: the model under megatron-core's ``Float16Module`` (bf16/fp16) or
+    bare (fp32), one forward and backward on the same 2 samples; the full output and the gradients summed over
+    DSP, and the all-to-all bytes this rank sent. ``options``: ``tiny_config``'s keywords (``comm_dtype``,
+    ``variant``, ``recompute``).
 
     ``dsp=1`` on 2 ranks is DSP=1 x DP=2: each rank computes the whole sample, as a single process would.
     """
@@ -365,6 +367,7 @@ def run_precision(rank: int, world_size: int, cases: list[tuple[int, str]]) -> l
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.module import Float16Module
 
+    from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.comm import gather
     from dsp_plugin.megatron.config import output_shard_dim
     from dsp_plugin.megatron.cpu import install_cuda_shim
@@ -376,15 +379,16 @@ def run_precision(rank: int, world_size: int, cases: list[tuple[int, str]]) -> l
     data = dataset(1)
     batch = torch.utils.data.default_collate([data[i] for i in range(GLOBAL_BATCH)])
     out = []
-    for dsp, dtype in cases:
+    for dsp, dtype, *options in cases:
         initialize_dsp_model_parallel(dsp=dsp, timeout_minutes=2)
         try:
-            config = tiny_config(1, 1, dtype=dtype)
+            config = tiny_config(1, 1, dtype=dtype, **(options[0] if options else {}))
             model = build_model(config, VIDEO, text_dim=TEXT_DIM, text_len=TEXT_LEN, seed=SEED)
             wrapped = Float16Module(config, model) if dtype != "fp32" else model
-            output = wrapped(batch["latents"], batch["timestep"], batch["text"])
-            loss, _ = loss_func(batch["target"], config.num_layers, config, output)
-            loss.backward()
+            with CommAccounting(activations=False) as acct:
+                output = wrapped(batch["latents"], batch["timestep"], batch["text"])
+                loss, _ = loss_func(batch["target"], config.num_layers, config, output)
+                loss.backward()
             group = ps.get_context_parallel_group()
             shard = output_shard_dim(config, config.num_layers)
             full = gather(output.detach().float(), shard, group=group,
@@ -397,7 +401,10 @@ def run_precision(rank: int, world_size: int, cases: list[tuple[int, str]]) -> l
             total = loss.detach().float()
             dist.all_reduce(total, group=group)
             out.append({"dtype": str(output.dtype), "param_dtype": str(next(model.parameters()).dtype),
-                        "output": full.numpy().copy(), "grads": grads, "loss": total.item()})
+                        "output": full.numpy().copy(), "grads": grads, "loss": total.item(),
+                        "all_to_all": {phase: [r.bytes_sent for r in acct.records
+                                               if r.op == "all_to_all" and r.phase == phase]
+                                       for phase in ("forward", "backward")}})
         finally:
             ps.destroy_model_parallel()
             set_topology(None)

@@ -128,6 +128,7 @@ def test_dsp_mode_installs_the_model_check(monkeypatch: pytest.MonkeyPatch) -> N
     (["--sequence-parallel-mode", "dsp", "--dsp-size", "2", "--context-parallel-size", "2"], 8,
      "--sequence-parallel-mode dsp is incompatible with --context-parallel-size (2)"),
     (["--dsp-size", "2"], 2, "--dsp-size (2) requires --sequence-parallel-mode dsp"),
+    (["--dsp-comm-dtype", "fp8"], 2, "--dsp-comm-dtype fp8 requires --sequence-parallel-mode dsp"),
     (["--sequence-parallel-mode", "dsp", "--calculate-per-token-loss"], 2,
      "--sequence-parallel-mode dsp is incompatible with --calculate-per-token-loss"),
     (["--sequence-parallel-mode", "dsp", "--pipeline-model-parallel-size", "2",
@@ -149,6 +150,27 @@ def test_unknown_mode_is_an_argparse_error(monkeypatch: pytest.MonkeyPatch, caps
     with pytest.raises(SystemExit):
         parse(monkeypatch, ["--sequence-parallel-mode", "ulysses"], world_size=1, validate=False)
     assert "invalid choice: 'ulysses'" in capsys.readouterr().err
+
+
+def test_dsp_comm_dtype_reaches_the_layers_config(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """``--dsp-comm-dtype fp8`` lands in ``DSPTransformerConfig.dsp_comm_dtype`` the way Megatron builds the
+    config from the arguments (the layers read it there); an unknown format is argparse's error."""
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from dsp_plugin.megatron.config import DSPTransformerConfig
+
+    args = parse(monkeypatch, ["--sequence-parallel-mode", "dsp", "--dsp-size", "2", "--dsp-comm-dtype", "fp8"],
+                 world_size=2)
+    args.context_parallel_size = 1      # as model_config_from_args does: attention stays local
+    assert core_transformer_config_from_args(args, config_class=DSPTransformerConfig).dsp_comm_dtype == "fp8"
+    args = parse(monkeypatch, ["--sequence-parallel-mode", "dsp", "--dsp-size", "2"], world_size=2)
+    args.context_parallel_size = 1
+    assert core_transformer_config_from_args(args, config_class=DSPTransformerConfig).dsp_comm_dtype is None
+    with pytest.raises(SystemExit):
+        parse(monkeypatch, ["--sequence-parallel-mode", "dsp", "--dsp-comm-dtype", "e5m2"], world_size=2,
+              validate=False)
+    assert "invalid choice: 'e5m2'" in capsys.readouterr().err
 
 
 def test_parse_and_validate_args_end_to_end(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -4,7 +4,12 @@ The key mirrors Megatron's ``--sequence-parallel-mode dsp`` and reuses
 DeepSpeed's own size key::
 
     "sequence_parallel_mode": "dsp",
-    "sequence_parallel_size": 4
+    "sequence_parallel_size": 4,
+    "sequence_parallel_comm_dtype": "fp8"      (optional; Megatron's --dsp-comm-dtype)
+
+``sequence_parallel_comm_dtype: "fp8"`` sends the switches and head switches of a
+model made parallel by ``dsp_plugin.parallelize`` as float8 e4m3 with a scale per
+chunk (``dsp_plugin.comm.payload``); absent or null, in the activations' dtype.
 
 Why these two keys rather than a ``"dsp": {...}`` section: ``sequence_parallel_size``
 already means "ranks that share one sample" to DeepSpeed (its batch arithmetic
@@ -27,11 +32,13 @@ from typing import Any
 
 from dsp_plugin.topology import validate_sizes
 
-__all__ = ["MODES", "MODE_KEY", "SIZE_KEY", "ULYSSES_MESH_KEYS", "DSPSettings", "parse_dsp_config",
-           "require_dsp_config"]
+__all__ = ["COMM_DTYPES", "COMM_DTYPE_KEY", "MODES", "MODE_KEY", "SIZE_KEY", "ULYSSES_MESH_KEYS", "DSPSettings",
+           "parse_dsp_config", "require_dsp_config"]
 
 MODE_KEY = "sequence_parallel_mode"
 SIZE_KEY = "sequence_parallel_size"
+COMM_DTYPE_KEY = "sequence_parallel_comm_dtype"
+COMM_DTYPES = ("fp8",)
 #: With ``sequence_parallel_size`` this makes ``deepspeed.initialize`` build its own
 #: (data_parallel, sequence_parallel) device mesh, which reduces gradients over DP
 #: only; DeepSpeed's groups would then shadow the DSP ones.
@@ -46,6 +53,7 @@ class DSPSettings:
     size: int
     zero_stage: int
     reduce_scatter: bool
+    comm_dtype: str | None = None   # the switches' wire format (``COMM_DTYPE_KEY``); None: the activations' dtype
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -58,13 +66,13 @@ def _near_miss(key: str, config: Mapping[str, Any]) -> str | None:
     """A key of ``config`` that looks like a misspelled ``key`` (not ``key`` itself), or None."""
     if key in config:
         return None
-    candidates = [k for k in config if isinstance(k, str) and k not in (MODE_KEY, SIZE_KEY)]
+    candidates = [k for k in config if isinstance(k, str) and k not in (MODE_KEY, SIZE_KEY, COMM_DTYPE_KEY)]
     close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.85)
     return close[0] if close else None
 
 
 def _refuse_near_misses(config: Mapping[str, Any]) -> None:
-    for key in (MODE_KEY, SIZE_KEY):
+    for key in (MODE_KEY, SIZE_KEY, COMM_DTYPE_KEY):
         typo = _near_miss(key, config)
         if typo is not None:
             raise ValueError(f"DeepSpeed config: unknown key {typo!r}; did you mean {key!r}? (DeepSpeed ignores "
@@ -92,6 +100,9 @@ def parse_dsp_config(config: Mapping[str, Any], *, world_size: int | None = None
         raise TypeError(f"DeepSpeed config: expected a dict, got {type(config).__name__}")
     _refuse_near_misses(config)
     if MODE_KEY not in config:
+        if config.get(COMM_DTYPE_KEY) is not None:
+            raise ValueError(f"DeepSpeed config: {COMM_DTYPE_KEY!r}: {config[COMM_DTYPE_KEY]!r} needs "
+                             f"{MODE_KEY!r}: 'dsp' (without it nothing is switched)")
         return None
     mode = config[MODE_KEY]
     if mode not in MODES:
@@ -139,4 +150,8 @@ def parse_dsp_config(config: Mapping[str, Any], *, world_size: int | None = None
             validate_sizes(world_size, dsp=size)
         except ValueError as exc:
             raise ValueError(f"DeepSpeed config: {SIZE_KEY}={size} does not fit the world: {exc}") from None
-    return DSPSettings(size=size, zero_stage=stage, reduce_scatter=reduce_scatter)
+    comm_dtype = config.get(COMM_DTYPE_KEY)
+    if comm_dtype is not None and comm_dtype not in COMM_DTYPES:
+        raise ValueError(f"DeepSpeed config: {COMM_DTYPE_KEY!r}: {comm_dtype!r}; expected one of "
+                         f"{list(COMM_DTYPES)}, or null / no key for the activations' dtype")
+    return DSPSettings(size=size, zero_stage=stage, reduce_scatter=reduce_scatter, comm_dtype=comm_dtype)

@@ -101,6 +101,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         return deepspeed.initialize(training_data=training_data, mpu=mpu, mesh_param=mesh_param, **passthrough)
     require_tested_deepspeed()
     _refuse_pipeline(model)
+    _set_comm_dtype(model, settings.comm_dtype)
     if mpu is not None:
         raise ValueError("dsp_plugin.deepspeed.initialize: 'sequence_parallel_mode': 'dsp' supplies its own "
                          "mpu; do not pass mpu= as well")
@@ -108,6 +109,30 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         raise ValueError(f"dsp_plugin.deepspeed.initialize: 'sequence_parallel_mode': 'dsp' cannot be combined "
                          f"with DeepSpeed's Ulysses mesh (mesh_param={mesh_param!r})")
     return _initialize_dsp(settings, training_data=training_data, **passthrough)
+
+
+def _set_comm_dtype(model: Any, comm_dtype: str | None) -> None:
+    """``sequence_parallel_comm_dtype``: the wire format of every plan runtime in ``model`` (``parallelize``'s
+    ``comm_dtype=``, read at each switch). Checked on every rank before any collective: a model with no plan
+    runtime (one calling the primitives itself passes ``comm_dtype=`` to them) or one parallelized with another
+    ``comm_dtype`` is refused."""
+    if comm_dtype is None or not isinstance(model, torch.nn.Module):   # no model: _initialize_dsp names that
+        return
+    from dsp_plugin.comm.payload import as_payload
+    from dsp_plugin.deepspeed.config import COMM_DTYPE_KEY
+
+    where = f"dsp_plugin.deepspeed.initialize: {COMM_DTYPE_KEY!r}: {comm_dtype!r}"
+    wire = as_payload(where, comm_dtype)
+    runtimes = [m._dsp_plan_runtime for m in model.modules() if getattr(m, "_dsp_plan_runtime", None) is not None]
+    if not runtimes:
+        raise ValueError(f"{where} applies to a model made parallel by dsp_plugin.parallelize, but this "
+                         f"{type(model).__name__} has none; call parallelize(model) first, or pass comm_dtype= to "
+                         f"the primitives your model calls and drop the key")
+    for rt in runtimes:
+        if rt.comm_dtype is not None and rt.comm_dtype != wire:
+            raise ValueError(f"{where}, but the model was parallelized with comm_dtype={rt.comm_dtype!r}; "
+                             f"expected one setting (drop one of the two)")
+        rt.comm_dtype = wire
 
 
 def _refuse_pipeline(model: Any) -> None:

@@ -27,11 +27,13 @@ import argparse
 import os
 from typing import Any
 
-__all__ = ["FP8_RULES", "MODES", "add_dsp_arguments", "apply_dsp_arguments", "check_launch_options", "check_fp8_shapes",
-           "check_models_for_dsp_layers", "dsp_enabled", "fp8_gemms", "launch_geometries"]
+__all__ = ["COMM_DTYPES", "FP8_RULES", "MODES", "add_dsp_arguments", "apply_dsp_arguments", "check_launch_options",
+           "check_fp8_shapes", "check_models_for_dsp_layers", "dsp_enabled", "fp8_gemms", "launch_geometries"]
 
 #: Values of ``--sequence-parallel-mode``.
 MODES = ("none", "dsp")
+#: Values of ``--dsp-comm-dtype`` (unset: the activations' own dtype); ``dsp_plugin.comm.payload``.
+COMM_DTYPES = ("fp8",)
 
 _HOOKED = "_dsp_plugin_hooked"
 
@@ -48,6 +50,10 @@ def add_dsp_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="Ranks per DSP group (occupies Megatron's context-parallel slot). "
                             "Default with --sequence-parallel-mode dsp: every rank that TP and PP "
                             "leave, i.e. data-parallel size 1.")
+    group.add_argument("--dsp-comm-dtype", type=str, default=None, choices=COMM_DTYPES,
+                       help="Wire format of the DSP switches and head switches (forward and backward). 'fp8': "
+                            "each chunk sent as float8 e4m3 with a float32 scale (about half the bf16 bytes), "
+                            "cast back after the receive. Default: the activations' own dtype (exact).")
     if not getattr(parser, _HOOKED, False):
         parse_known_args = parser.parse_known_args
 
@@ -89,6 +95,9 @@ def apply_dsp_arguments(args: argparse.Namespace, *, world_size: int) -> argpars
         if dsp not in (None, 1):
             raise ValueError(f"--dsp-size ({dsp}) requires --sequence-parallel-mode dsp "
                              "(got --sequence-parallel-mode none)")
+        if getattr(args, "dsp_comm_dtype", None) is not None:
+            raise ValueError(f"--dsp-comm-dtype {args.dsp_comm_dtype} requires --sequence-parallel-mode dsp "
+                             "(got --sequence-parallel-mode none: nothing is switched)")
         args.dsp_size = 1
         args._dsp_applied = True
         return args

@@ -72,8 +72,15 @@ class DSPTransformerConfig(TransformerConfig):
     """PixArt / OpenSora adaLN-single: the model maps the timestep once to ``[B, 6D]`` and each layer
     adds its learned ``scale_shift_table [6, D]`` (instead of a per-layer adaLN linear)."""
 
+    dsp_comm_dtype: str | None = None
+    """Megatron's ``--dsp-comm-dtype``: ``"fp8"`` sends every switch and head switch (forward and backward) as
+    float8 e4m3 with a float32 scale per chunk (``dsp_plugin.comm.payload``); None: the activations' dtype."""
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.dsp_comm_dtype not in (None, "fp8"):
+            raise ValueError(f"DSPTransformerConfig: dsp_comm_dtype={self.dsp_comm_dtype!r}; expected None (the "
+                             f"activations' dtype) or 'fp8'")
         if self.position_embedding_type not in POSITION_EMBEDDINGS:
             raise ValueError(f"DSPTransformerConfig: position_embedding_type={self.position_embedding_type!r}; "
                              f"DSP layers take one of {POSITION_EMBEDDINGS}")

@@ -213,11 +213,12 @@ class DSPSpatialTemporalLayer(TransformerLayer):
         x = self._to_grid(hidden_states, grid, self.input_shard_dim)
         if self.input_shard_dim == self.attend_dim:  # S(attend) -> S(other): one all-to-all
             cur, tgt = self.attend_dim, self.output_shard_dim
+            wire = self.config.dsp_comm_dtype
             if cache is not None:  # full recompute: never replay the switch
                 x = cache.switch(hidden_states, x, cur, tgt, group=group, cur_full=grid[cur - 1],
-                                 tgt_full=grid[tgt - 1])
+                                 tgt_full=grid[tgt - 1], comm_dtype=wire)
             else:
-                x = dynamic_switch(x, cur, tgt, group=group, global_len=grid[cur - 1])
+                x = dynamic_switch(x, cur, tgt, group=group, global_len=grid[cur - 1], comm_dtype=wire)
         elif cache is not None:
             cache.release(hidden_states)
         if self.add_positions:  # along the attended dim, which is never sharded: global positions

@@ -129,13 +129,15 @@ class HeadSwitchCoreAttention(MegatronModule):
         full_len = grid[shard - FRAME_DIM]
         # [T_x * S_x, b, h, d] -> [T_x, S_x, b, h, d] -> (to_heads) [T, S, b, h_r, d]
         q, k, v = (t.unflatten(0, (frames, patches)) for t in (query, key, value))
-        q, k, v = to_heads(q, k, v, seq_dim=seq_dim, head_dim=3, group=self.group, global_len=full_len)
+        wire = self.config.dsp_comm_dtype
+        q, k, v = to_heads(q, k, v, seq_dim=seq_dim, head_dim=3, group=self.group, global_len=full_len,
+                           comm_dtype=wire)
         # [T, S, b, h_r, d] -> [T * S, b, h_r, d] -> local attention -> [T * S, b, h_r * d]
         out = self.local(*(t.flatten(0, 1) for t in (q, k, v)), None, attn_mask_type=attn_mask_type,
                          attention_bias=attention_bias, packed_seq_params=packed_seq_params)
         # [T * S, b, h_r * d] -> [T, S, b, h_r, d] -> (from_heads) [T_x, S_x, b, h, d] -> [T_x * S_x, b, h * d]
         out = out.unflatten(-1, (q.shape[3], -1)).unflatten(0, (q.shape[0], q.shape[1]))
-        out = from_heads(out, seq_dim=seq_dim, head_dim=3, group=self.group, heads=query.shape[2])
+        out = from_heads(out, seq_dim=seq_dim, head_dim=3, group=self.group, heads=query.shape[2], comm_dtype=wire)
         return out.flatten(3).flatten(0, 1)
 
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from dsp_plugin.comm import dynamic_switch
+from dsp_plugin.comm.payload import as_payload
 from dsp_plugin.layout import storage_address
 
 __all__ = ["SwitchReplayCache", "first_layer_of_a_chunk"]
@@ -62,16 +63,18 @@ class _ReusedSwitch(torch.autograd.Function):
     """Forward: the switch output of the first run; backward: the inverse switch of the gradient."""
 
     @staticmethod
-    def forward(ctx, x, switched, cur, tgt, group, tgt_full):  # type: ignore[override]
-        ctx.switch = (cur, tgt, group, tgt_full)
+    def forward(ctx, x, switched, cur, tgt, group, tgt_full, wire):  # type: ignore[override]
+        ctx.switch = (cur, tgt, group, tgt_full, wire)
         return switched.detach()
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        cur, tgt, group, tgt_full = ctx.switch
-        # S(tgt) -> S(cur): one all-to-all, what dynamic_switch's own backward does
-        return dynamic_switch(grad.contiguous(), tgt, cur, group=group, global_len=tgt_full), \
-            None, None, None, None, None
+        cur, tgt, group, tgt_full, wire = ctx.switch
+        # S(tgt) -> S(cur): one all-to-all, what dynamic_switch's own backward does (the gradient in the
+        # payload's gradient format: the reversed payload's forward)
+        back = None if wire is None else wire.reversed()
+        return dynamic_switch(grad.contiguous(), tgt, cur, group=group, global_len=tgt_full, comm_dtype=back), \
+            None, None, None, None, None, None
 
 
 def _key(t: torch.Tensor) -> tuple:
@@ -110,10 +113,11 @@ class SwitchReplayCache:
             self._pending.pop(index)
 
     def switch(self, chunk_input: torch.Tensor, x: torch.Tensor, cur: int, tgt: int, *, group: Any,
-               cur_full: int, tgt_full: int) -> torch.Tensor:
+               cur_full: int, tgt_full: int, comm_dtype: object = None) -> torch.Tensor:
         """``dynamic_switch(x, cur, tgt)``, issued once per micro-batch under full recompute."""
+        wire = as_payload("SwitchReplayCache.switch", comm_dtype)
         if not torch.is_grad_enabled():  # first run of a checkpointed chunk: keep the result
-            out = dynamic_switch(x, cur, tgt, group=group, global_len=cur_full)
+            out = dynamic_switch(x, cur, tgt, group=group, global_len=cur_full, comm_dtype=wire)
             self.hold(chunk_input)
             index = self._find(chunk_input)
             if index is not None and self.keep_outputs:
@@ -122,5 +126,5 @@ class SwitchReplayCache:
         index = self._find(chunk_input)
         entry = None if index is None else self._pending.pop(index)
         if entry is None or entry[1] is None:  # not a recompute of a kept run: switch as usual
-            return dynamic_switch(x, cur, tgt, group=group, global_len=cur_full)
-        return _ReusedSwitch.apply(x, entry[1], cur, tgt, group, tgt_full)
+            return dynamic_switch(x, cur, tgt, group=group, global_len=cur_full, comm_dtype=wire)
+        return _ReusedSwitch.apply(x, entry[1], cur, tgt, group, tgt_full, wire)
