@@ -6,9 +6,9 @@ process, two ways:
   flat video tokens at the first block and gathers them at ``norm_out`` on every call (all-to-alls and one
   all_gather);
 - ``parallelize_hunyuan_video_pipeline``: the latents sharded on frames from the first step to the last
-  (``HUNYUAN_VIDEO_FRAMES_PLAN`` under ``sharded_io``): per step only the head switch's all-to-alls and one small all_gather of the
-  text mask's video key columns (the model builds its key-padding mask from the frames it is fed), with CFG
-  parallelism one all_gather of the noise shard; one all_gather of the latents after the loop.
+  (``HUNYUAN_VIDEO_FRAMES_PLAN`` under ``sharded_io``): per step only the head switch's all-to-alls and one small
+  all_gather of the text mask's video key columns (the model builds its key-padding mask from the frames it is
+  fed), with CFG parallelism one all_gather of the noise shard; one all_gather of the latents after the loop.
 
 Oracle: the unmodified pipeline on one process. Tiny random model (``dsp_plugin.testing.tiny_video``), a tiny
 ``AutoencoderKLHunyuanVideo``, prompt embeddings given (no Llama/CLIP), fp32: 9 frames -> 3 latent frames for the
