@@ -146,3 +146,57 @@ def test_hunyuan_sampler_equals_single_process_latents_sharded(n: int) -> None:
                 assert ops.count("all_gather") == (dsp > 1) + cfg, (tag, ops)
                 assert set(ops) <= {"all_to_all", "all_gather"}, (tag, ops)
             assert d["after_loop"] == (["all_gather"] if dsp > 1 else []), (tag, d["after_loop"])
+
+
+def test_bad_pipelines() -> None:
+    """Refused at ``parallelize_hunyuan_video_pipeline``, before any hook or collective (no process group here)."""
+    import dsp_plugin
+    from dsp_plugin.pipelines import parallelize_hunyuan_video_pipeline
+
+    with pytest.raises(TypeError, match="expected a diffusers HunyuanVideoPipeline, got Linear"):
+        parallelize_hunyuan_video_pipeline(torch.nn.Linear(2, 2))
+    pipe = _pipe()
+    pipe.transformer.register_to_config(patch_size_t=2)
+    with pytest.raises(ValueError, match=r"patch_size_t=2 patches frames together"):
+        parallelize_hunyuan_video_pipeline(pipe)
+    assert getattr(pipe.transformer, "_dsp_plan_runtime", None) is None
+    pipe = _pipe()
+    dsp_plugin.parallelize(pipe.transformer)          # the default flat plan: its tokens are not whole frames
+    with pytest.raises(ValueError, match="already parallelized .*another plan than HUNYUAN_VIDEO_FRAMES_PLAN"):
+        parallelize_hunyuan_video_pipeline(pipe)
+
+
+def _bad_distributed(rank: int, n: int) -> dict[str, str]:
+    import torch.distributed as dist
+
+    from dsp_plugin.accounting import CommAccounting
+    from dsp_plugin.pipelines import parallelize_hunyuan_video_pipeline, sampling_groups
+
+    dsp_group, cfg_group = sampling_groups(cfg_parallel=True)      # built before the accounting starts
+    errors = {}
+    with CommAccounting(activations=False) as acct:
+        for tag, groups, kwargs in (
+                ("frames", {"dsp_group": dist.group.WORLD}, _kwargs("latent", num_frames=9)),
+                ("no_negative", {"dsp_group": dsp_group, "cfg_group": cfg_group},
+                 {**_kwargs("latent", FRAMES), "true_cfg_scale": 3.0}),
+                ("scale_one", {"dsp_group": dsp_group, "cfg_group": cfg_group},
+                 {**_kwargs("latent", FRAMES, cfg=True), "true_cfg_scale": 1.0})):
+            try:
+                parallelize_hunyuan_video_pipeline(_pipe(), **groups)(**kwargs)
+            except ValueError as exc:
+                errors[tag] = str(exc)
+    errors["collectives"] = str([r.op for r in acct.records])
+    return errors
+
+
+@pytest.mark.slow
+def test_bad_inputs_raise_on_every_rank_before_a_collective() -> None:
+    """Fewer latent frames than DSP ranks; a CFG group where diffusers' rule turns true CFG off (no negative
+    prompt, or true_cfg_scale 1; ``guidance_scale`` is the distilled model's embedded guidance, not CFG)."""
+    for rank, errors in enumerate(run_distributed(_bad_distributed, 4)):
+        assert ("latent frames=3 is smaller than the DSP size 4; expected latent frames >= 4 (num_frames >= 13"
+                in errors["frames"]), (rank, errors)
+        assert ("true_cfg_scale=3.0 without a negative prompt turns classifier-free guidance off, but the CFG "
+                "group has 2 ranks; expected true_cfg_scale > 1 with negative_prompt" in errors["no_negative"]), errors
+        assert "true_cfg_scale=1.0 turns classifier-free guidance off" in errors["scale_one"], (rank, errors)
+        assert errors["collectives"] == "[]", (rank, errors)
