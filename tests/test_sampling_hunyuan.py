@@ -31,22 +31,9 @@ STEPS, FRAMES, LATENT_FRAMES, ATTENTIONS = 2, 17, 5, 2   # the tiny model: 1 dou
 
 
 def _pipe() -> Any:
-    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+    from dsp_plugin.testing.tiny_video import hunyuan_video_pipeline
 
-    from dsp_plugin.testing.tiny_video import hunyuan_video
-
-    model, _ = hunyuan_video()
-    torch.manual_seed(1)
-    vae = AutoencoderKLHunyuanVideo(in_channels=3, out_channels=3, latent_channels=4,
-                                    down_block_types=("HunyuanVideoDownBlock3D",) * 2,
-                                    up_block_types=("HunyuanVideoUpBlock3D",) * 2, block_out_channels=(8, 16),
-                                    layers_per_block=1, norm_num_groups=4, spatial_compression_ratio=2,
-                                    temporal_compression_ratio=4, mid_block_add_attention=False)
-    pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=model, vae=vae.eval(),
-                                scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=None,
-                                tokenizer_2=None)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return hunyuan_video_pipeline()
 
 
 def _kwargs(output_type: str, num_frames: int = 9, cfg: bool = False) -> dict[str, Any]:
