@@ -200,7 +200,33 @@ def _built_from_shard(video: torch.Tensor, text: torch.Tensor) -> dict[str, obje
         model = dsp_plugin.parallelize(MaskedDiT(via, built="rows"), _plan("last"))
         with sharded_io(L=TOKENS):
             result[f"io_rows/{via}"] = _error(lambda m=model: m(split(video, 1), text))
+    result["io_layouts"] = _gather_key_padding_layouts()
     return result
+
+
+def _gather_key_padding_layouts() -> float:
+    """``gather_key_padding`` itself: 5 frames of 2 tokens sharded on frames (a folded sequence axis), text
+    first or last, the mask built from the shard or for the whole sequence -> the global mask, exactly."""
+    from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+    from dsp_plugin.packing import offsets
+    from dsp_plugin.plan.masks import gather_key_padding
+
+    n, rank = group_size(None), group_rank(None)
+    frames, per_frame, text = 5, 2, 3
+    local = chunk_sizes(frames, n)[rank]
+    start = offsets(chunk_sizes(frames, n))[rank] * per_frame
+    g = torch.Generator().manual_seed(7)
+    video = torch.rand(2, 1, 1, frames * per_frame, generator=g) > 0.3
+    words = torch.rand(2, 1, 1, text, generator=g) > 0.3
+    worst = 0.0
+    for joint in ("first", "last"):
+        whole = torch.cat((words, video) if joint == "first" else (video, words), dim=-1)
+        mine = video[..., start:start + local * per_frame]
+        for mask in (torch.cat((words, mine) if joint == "first" else (mine, words), dim=-1), whole):
+            out = gather_key_padding(mask, lengths=[(local, frames), (per_frame, per_frame)], axis=0, count=text,
+                                     joint=joint, group=None)
+            worst = max(worst, float(out.shape != whole.shape or out.dtype != whole.dtype or (out != whole).any()))
+    return worst
 
 
 def _tiny_hunyuan() -> nn.Module:
