@@ -8,7 +8,9 @@ tokens (uneven; on 4 one rank holds no head), output, input gradient and paramet
 group. Then a tiny diffusers ``HunyuanVideoTransformer3DModel`` (padded text, a different length per sample)
 with a plan of six entries. A mask the model builds from the tokens a rank sees (the local length), with one
 token per rank (where it used to broadcast silently) and with more (a size error that differed per rank), and a
-mask whose head dim is neither H nor 1, are refused on every rank, naming the shape.
+mask whose head dim is neither H nor 1, are refused on every rank, naming the shape. Under ``sharded_io`` (the
+model fed its shard) a key-padding mask built from the shard is laid out by gathering its video key columns,
+once per forward; one with a query dim is refused on every rank.
 """
 
 from __future__ import annotations
@@ -70,11 +72,16 @@ class MaskedBlock(nn.Module):
 
 
 class MaskedDiT(nn.Module):
-    """``video [B, L, 4]``, ``text [B, R, 4]`` or None, ``mask`` for the R + L tokens -> ``[B, L, 4]``."""
+    """``video [B, L, 4]``, ``text [B, R, 4]`` or None, ``mask`` for the R + L tokens -> ``[B, L, 4]``.
 
-    def __init__(self, via: str, local_mask: bool = False, layers: int = 2) -> None:
+    ``built``: the model builds one mask per forward from the video tokens it is fed, as HunyuanVideo does, and
+    passes it to every block: ``"padding"`` a bool key-padding mask ``[B, 1, 1, L + R]`` (sample 0's text 2
+    tokens shorter), ``"rows"`` an additive ``[B, 1, L + R, L + R]`` (a query dim)."""
+
+    def __init__(self, via: str, local_mask: bool = False, layers: int = 2, built: str | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.built = built
         self.embed, self.text_embed = nn.Linear(4, DIM), nn.Linear(4, DIM)
         self.blocks = nn.ModuleList(MaskedBlock(via, local_mask) for _ in range(layers))
         self.norm, self.out = nn.LayerNorm(DIM), nn.Linear(DIM, 4)
@@ -82,6 +89,12 @@ class MaskedDiT(nn.Module):
     def forward(self, video: torch.Tensor, text: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         x, context = self.embed(video), None if text is None else self.text_embed(text)
+        keys = x.shape[1] + (0 if text is None else text.shape[1])
+        if self.built == "padding":
+            mask = torch.ones(x.shape[0], 1, 1, keys, dtype=torch.bool)
+            mask[0, ..., -2:] = False
+        elif self.built == "rows":
+            mask = torch.zeros(x.shape[0], 1, keys, keys)
         for block in self.blocks:
             x, context = block(x, context, mask)
         return self.out(self.norm(x))
@@ -162,8 +175,58 @@ def _masks_worker(rank: int, n: int) -> dict[str, object]:
         model = dsp_plugin.parallelize(MaskedDiT(via), _plan(None))
         result[f"two_heads/{via}"] = _error(lambda m=model: m(video, None, torch.zeros(1, 2, TOKENS, TOKENS)))
     result["hunyuan"] = _hunyuan(rank, n)
+    result |= _built_from_shard(video, text)
     dist.barrier()
     return result
+
+
+def _built_from_shard(video: torch.Tensor, text: torch.Tensor) -> dict[str, object]:
+    """Under ``sharded_io`` the model is fed its shard and builds its mask from it (``R + L_local`` keys): a
+    key-padding one is laid out by one all_gather of its video key columns per forward (both blocks get the same
+    object); one with a query dim is refused on every rank, naming its shape."""
+    import dsp_plugin
+    from dsp_plugin.accounting import CommAccounting
+    from dsp_plugin.comm import gather, split
+    from dsp_plugin.plan import sharded_io
+
+    result: dict[str, object] = {}
+    for via in ("sdpa", "dispatch"):
+        expected = MaskedDiT(via, built="padding")(video, text)
+        model = dsp_plugin.parallelize(MaskedDiT(via, built="padding"), _plan("last"))
+        with CommAccounting(activations=False) as acct, sharded_io(L=TOKENS):
+            out = model(split(video, 1), text)
+        result[f"io/{via}"] = (gather(out, 1, global_len=TOKENS) - expected).abs().max().item()
+        result[f"io/{via}/ops"] = [r.op for r in acct.records]
+        model = dsp_plugin.parallelize(MaskedDiT(via, built="rows"), _plan("last"))
+        with sharded_io(L=TOKENS):
+            result[f"io_rows/{via}"] = _error(lambda m=model: m(split(video, 1), text))
+    result["io_layouts"] = _gather_key_padding_layouts()
+    return result
+
+
+def _gather_key_padding_layouts() -> float:
+    """``gather_key_padding`` itself: 5 frames of 2 tokens sharded on frames (a folded sequence axis), text
+    first or last, the mask built from the shard or for the whole sequence -> the global mask, exactly."""
+    from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+    from dsp_plugin.packing import offsets
+    from dsp_plugin.plan.masks import gather_key_padding
+
+    n, rank = group_size(None), group_rank(None)
+    frames, per_frame, text = 5, 2, 3
+    local = chunk_sizes(frames, n)[rank]
+    start = offsets(chunk_sizes(frames, n))[rank] * per_frame
+    g = torch.Generator().manual_seed(7)
+    video = torch.rand(2, 1, 1, frames * per_frame, generator=g) > 0.3
+    words = torch.rand(2, 1, 1, text, generator=g) > 0.3
+    worst = 0.0
+    for joint in ("first", "last"):
+        whole = torch.cat((words, video) if joint == "first" else (video, words), dim=-1)
+        mine = video[..., start:start + local * per_frame]
+        for mask in (torch.cat((words, mine) if joint == "first" else (mine, words), dim=-1), whole):
+            out = gather_key_padding(mask, lengths=[(local, frames), (per_frame, per_frame)], axis=0, count=text,
+                                     joint=joint, group=None)
+            worst = max(worst, float(out.shape != whole.shape or out.dtype != whole.dtype or (out != whole).any()))
+    return worst
 
 
 def _tiny_hunyuan() -> nn.Module:
@@ -229,6 +292,10 @@ def test_masks_through_heads(n: int) -> None:
                 assert message.startswith("CrossRankMismatch") and "this rank's own tokens" in message, message
                 assert "attention mask of shape (2, 1, 1, " in message and f"expected a mask for the global " \
                        f"sequence: last dim {tokens} keys" in message, message
+            assert d[f"io/{via}/ops"] == ["all_to_all", "all_gather"] + ["all_to_all"] * 3, d[f"io/{via}/ops"]
+            message = d[f"io_rows/{via}"]
+            assert message.startswith("CrossRankMismatch") and "under sharded_io an attention mask of shape " \
+                "(2, 1, " in message and "only a key-padding mask (query dim 1" in message, message
             message = d[f"two_heads/{via}"]
             assert message.startswith("CrossRankMismatch") and f"(1, 2, {TOKENS}, {TOKENS}) has 2 on dim 1" \
                 in message, message

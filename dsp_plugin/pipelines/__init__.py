@@ -1,18 +1,20 @@
 """Multi-process sampling of diffusers pipelines, the latents sharded on frames from the first step to the last.
 
 ``frame_sharded`` holds what the samplers share (``FrameShardedSampler``: checks, groups, the shard,
-the CFG exchange; ``sampling_groups`` to cut the world into CFG x DSP); ``latte_sampler`` and
-``wan_sampler`` each hold one pipeline's loop (``wan_vae``: Wan's tiled VAE decode split over the DSP ranks);
-``python -m dsp_plugin.pipelines.latency`` measures
-sampling latency. Importing this package needs torch only; diffusers is imported when a sampler is built.
+the CFG exchange; ``sampling_groups`` to cut the world into CFG x DSP); ``latte_sampler``,
+``wan_sampler`` and ``hunyuan_sampler`` each hold one pipeline's loop (``wan_vae``: Wan's tiled VAE decode
+split over the DSP ranks); ``python -m dsp_plugin.pipelines.latency`` measures sampling latency. Importing
+this package needs torch only; diffusers is imported when a sampler is built.
 See docs/inference.md.
 """
 
 from __future__ import annotations
 
 from dsp_plugin.pipelines.frame_sharded import FrameShardedSampler, sampling_groups
+from dsp_plugin.pipelines.hunyuan_sampler import DSPHunyuanVideoPipeline, parallelize_hunyuan_video_pipeline
 from dsp_plugin.pipelines.latte_sampler import DSPLattePipeline, parallelize_latte_pipeline
 from dsp_plugin.pipelines.wan_sampler import DSPWanPipeline, parallelize_wan_pipeline
 
-__all__ = ["DSPLattePipeline", "DSPWanPipeline", "FrameShardedSampler", "parallelize_latte_pipeline",
-           "parallelize_wan_pipeline", "sampling_groups"]
+__all__ = ["DSPHunyuanVideoPipeline", "DSPLattePipeline", "DSPWanPipeline", "FrameShardedSampler",
+           "parallelize_hunyuan_video_pipeline", "parallelize_latte_pipeline", "parallelize_wan_pipeline",
+           "sampling_groups"]

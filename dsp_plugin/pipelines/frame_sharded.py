@@ -1,7 +1,8 @@
 """Multi-process sampling through diffusers' own ``__call__``: the latents sharded on frames from first step to last.
 
-``parallelize_latte_pipeline(pipe, dsp_group=..., cfg_group=...)`` (``latte_sampler``) and
-``parallelize_wan_pipeline`` (``wan_sampler``) return a callable that takes the pipeline's
+``parallelize_latte_pipeline(pipe, dsp_group=..., cfg_group=...)`` (``latte_sampler``),
+``parallelize_wan_pipeline`` (``wan_sampler``) and ``parallelize_hunyuan_video_pipeline``
+(``hunyuan_sampler``) return a callable that takes the pipeline's
 ``__call__`` arguments and runs the pipeline's unmodified ``__call__`` (its loop, progress bar,
 callbacks and options) with a few of its parts intercepted for the duration of the call:
 
@@ -56,7 +57,8 @@ class FrameShardedSampler:
     pipeline_class = ""      # the diffusers pipeline class this sampler takes
     entry = ""               # the public function, named in errors
     transformer_names: tuple[str, ...] = ("transformer",)
-    cfg_batched = True       # CFG as one call on [uncond; cond] (Latte); False: a cond call then an uncond call (Wan)
+    cfg_batched = True       # CFG as one call on [uncond; cond] (Latte); False: a cond call then an uncond call
+                             # (Wan, HunyuanVideo)
 
     def __init__(self, pipe: Any, *, dsp_group: dist.ProcessGroup | None = None,
                  cfg_group: dist.ProcessGroup | None = None) -> None:
@@ -121,14 +123,18 @@ class FrameShardedSampler:
         if frames < n:
             raise ValueError(f"{type(self).__name__}: {self.frames_name}={frames} is smaller than the DSP size "
                              f"{n}; expected {self.frames_name} >= {n}{self.frames_hint(n)}")
-        guidance_scale = call.get("guidance_scale", 1.0)
-        do_cfg = guidance_scale > 1.0
+        do_cfg, why_not, expected = self.cfg_enabled(call)
         if self.cfg_group is not None and not do_cfg:
-            raise ValueError(f"{type(self).__name__}: guidance_scale={guidance_scale} turns classifier-free "
-                             f"guidance off, but the CFG group has 2 ranks; expected guidance_scale > 1 or "
-                             f"cfg_group=None")
+            raise ValueError(f"{type(self).__name__}: {why_not} turns classifier-free guidance off, but the CFG "
+                             f"group has 2 ranks; expected {expected} or cfg_group=None")
         self.agree_call({k: v for k, v in call.items() if k != "callback_on_step_end"})
         return frames, do_cfg
+
+    def cfg_enabled(self, call: dict[str, Any]) -> tuple[bool, str, str]:
+        """(whether the call runs classifier-free guidance, the arguments that turn it off, what turns it on):
+        ``guidance_scale > 1`` (Latte, Wan); a pipeline that decides otherwise says so."""
+        guidance_scale = call.get("guidance_scale", 1.0)
+        return guidance_scale > 1.0, f"guidance_scale={guidance_scale}", "guidance_scale > 1"
 
     def agree_call(self, values: dict[str, Any]) -> None:
         """The call's arguments are alike on every rank of the DSP and the CFG group, else ``InputMismatch``

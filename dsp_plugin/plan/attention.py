@@ -32,8 +32,10 @@ of uneven head chunks (``tests/test_plan_joint.py`` measures both).
 
 An attention mask is laid out for the attention after the switch
 (``dsp_plugin.plan.masks``): built for the global sequence, it is passed on
-unchanged (a head dim narrowed to this rank's heads); one the runtime cannot
-place is refused on every rank, through ``to_heads``' cross-rank check.
+unchanged (a head dim narrowed to this rank's heads); under ``sharded_io`` a
+key-padding mask built from this rank's tokens gets its video key columns
+gathered (once per forward per mask object); one the runtime cannot place is
+refused on every rank, through ``to_heads``' cross-rank check.
 
 The global ``L`` is read from the enclosing ``Block``'s placement. Calls are per
 thread, so two threads may run the model at once. Under activation
@@ -56,7 +58,7 @@ from torch.overrides import TorchFunctionMode
 
 from dsp_plugin.comm import chunk_sizes, group_rank, group_size
 from dsp_plugin.plan import recompute
-from dsp_plugin.plan.masks import check_mask, place_mask
+from dsp_plugin.plan.masks import check_mask, gather_key_padding, is_key_padding, place_mask
 
 __all__ = ["HeadsCall", "current_call", "enter_heads", "exit_heads"]
 
@@ -76,8 +78,12 @@ class HeadsCall:
     """
 
     def __init__(self, where: str, lengths: list[tuple[int, int]], axis: int, group: Any,
-                 joint: str | None = None, comm_dtype: object = None, exact: tuple[str, ...] = ()) -> None:
+                 joint: str | None = None, comm_dtype: object = None, exact: tuple[str, ...] = (),
+                 io_masks: dict[int, tuple[Any, Any]] | None = None) -> None:
         self.where, self.lengths, self.axis, self.group, self.joint = where, lengths, axis, group, joint
+        # under sharded_io, sharded on the axis the model is fed shards of: the forward's cache of key-padding
+        # masks laid out for the global sequence, by the mask's identity (plan/masks.py); None otherwise
+        self.io_masks = io_masks
         self.comm_dtype, self.exact = comm_dtype, exact  # the payload (comm/payload.py); Heads(exact=...)
         self.attended = 0        # attention calls intercepted in this module call (each its own replay key)
         self.in_kernel = False   # a kernel is running: the SDPA it calls itself is not switched again
@@ -125,6 +131,8 @@ class HeadsCall:
             return torch.cat(pair if first else pair[::-1], dim=seq)
 
         q, k, v = (joined(t, switched[i + 3] if self.joint else None) for i, t in enumerate(switched[:3]))
+        if self.io_masks is not None and is_key_padding(mask) and group_size(self.group) > 1:
+            mask = self._io_mask(mask, count)  # every rank, a headless one too: a collective
         mine_heads = head_ranges(heads, group_size(self.group))[group_rank(self.group)]
         if mine_heads[1] == 0:  # more ranks than heads: nothing to attend here (some kernels divide by the heads);
             out = v.clone()     # an empty output still in the graph, so this rank's backward meets its peers'
@@ -146,6 +154,18 @@ class HeadsCall:
             replicated=o_t, comm_dtype=out_dtype), own_out, text_out)
         return joined(out, text_out)
 
+    def _io_mask(self, mask: torch.Tensor, count: int) -> torch.Tensor:
+        """A key-padding mask the model built under ``sharded_io`` (from its ``R + L_local`` tokens, or for
+        the whole sequence), laid out for the global one: gathered once per forward per mask object."""
+        assert self.io_masks is not None
+        cached = self.io_masks.get(id(mask))
+        if cached is not None and cached[0] is mask:
+            return cached[1]
+        placed = gather_key_padding(mask, lengths=self.lengths, axis=self.axis, count=count, joint=self.joint,
+                                    group=self.group)
+        self.io_masks[id(mask)] = (mask, placed)  # the mask is kept: its id is not reused in this forward
+        return placed
+
     def _check(self, q: torch.Tensor, k: torch.Tensor, mask: Any, seq: int, head: int, count: int,
                total: int) -> ValueError | None:
         """This rank's reason not to switch (found before any collective), or None."""
@@ -163,7 +183,7 @@ class HeadsCall:
                               f"rank's {math.prod(local)} tokens of the sequence {[b for _, b in self.lengths]}, "
                               f"got {q.shape[seq]} tokens")
         why = check_mask(self.where, mask, batch=q.shape[0], heads=q.shape[head], queries=total + count,
-                         keys=total + count, local_keys=q.shape[seq])
+                         keys=total + count, local_keys=q.shape[seq], sharded_io=self.io_masks is not None)
         return None if why is None else ValueError(why)
 
 
@@ -215,7 +235,9 @@ def current_call() -> HeadsCall | None:
 
 
 def enter_heads(where: str, group: Any, joint: str | None = None, *, comm_dtype: object = None,
-                exact: tuple[str, ...] = ()) -> None:
+                exact: tuple[str, ...] = (), io: tuple[str | None, dict[int, Any]] | None = None) -> None:
+    """Open a ``Heads`` module call. ``io``: under ``sharded_io``, the axis the model is fed shards of and the
+    forward's mask cache (a key-padding mask built from the shard is laid out when the call is sharded there)."""
     from dsp_plugin.plan.frames import current_block
 
     block = current_block()
@@ -226,7 +248,8 @@ def enter_heads(where: str, group: Any, joint: str | None = None, *, comm_dtype:
     names = lay.dims[lay.dim_of(shard)]
     n, rank = group_size(group), group_rank(group)
     lengths = [(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a], grid[a]) for a in names]
-    call = HeadsCall(where, lengths, names.index(shard), group, joint, comm_dtype, exact)
+    io_masks = io[1] if io is not None and io[0] == shard else None
+    call = HeadsCall(where, lengths, names.index(shard), group, joint, comm_dtype, exact, io_masks)
     # under torch.compile only diffusers' dispatch is intercepted: dynamo cannot trace a TorchFunctionMode
     # entered outside a ``with``; a model that calls SDPA directly then ends its Heads call unswitched,
     # which exit_heads refuses (never a silent local attention)

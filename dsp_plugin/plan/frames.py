@@ -43,6 +43,7 @@ class Frame:
     sharded_io: bool = False
     io_shard: str | None = None  # under sharded_io: the axis the caller's shards are on (returned on it)
     handling: BaseException | None = None  # the exception being handled where the forward was called, if any
+    masks: dict[int, Any] = field(default_factory=dict)  # under sharded_io: key-padding masks laid out (Heads)
 
 
 class sharded_io:  # noqa: N801 - used as a context manager, like torch.no_grad

@@ -23,15 +23,40 @@ it broadcasts silently when ``R + L_local == 1`` and fails with a different size
 on each rank otherwise. So is a key dim that is not ``Lk`` (no broadcasting over
 keys: a length-1 key dim is how a local mask with one token per rank looks).
 A flex ``BlockMask`` passes when it was built for ``(Lq, Lk)`` and one head.
+
+Under ``sharded_io`` (a sampling loop feeds the model its frame shard) a model that
+builds its mask from what it is fed (HunyuanVideo: ``latent_sequence_length =
+hidden_states.shape[1]``) builds it from ``R + L_local`` keys. The runtime knows the
+global lengths there, so one such mask can be laid out exactly:
+
+==============================================  ====================================================
+``[B | 1, H | 1, 1, R + L_local]`` (or ``[Lk]``)   under ``sharded_io`` only: a key-padding mask (query
+                                                dim 1) built from this rank's tokens. Its video key
+                                                columns are gathered over the group (one all_gather,
+                                                uneven shards padded inside), its ``R`` joint columns
+                                                kept in place (``joint="last"``: video then text;
+                                                ``"first"``: text then video): ``[.., 1, R + L]``.
+                                                Once per forward per mask object (the same mask reaches
+                                                every block: cached by identity in the forward's frame)
+==============================================  ====================================================
+
+Under ``sharded_io`` every key-padding mask (query dim 1) goes through that
+gather, so every rank issues it whatever its shape says (a rank holding the
+whole sequence cannot tell a local mask from a global one): a global one
+contributes this rank's own columns of it, which gives it back unchanged. A
+local mask with a query dim > 1 cannot be placed (its rows are this rank's
+queries, and the switched attention holds every query) and is refused on
+every rank, naming its shape; so is a local mask outside ``sharded_io``.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 
-__all__ = ["check_mask", "place_mask"]
+__all__ = ["check_mask", "gather_key_padding", "is_key_padding", "place_mask"]
 
 
 def _block_mask_type() -> type | None:
@@ -47,9 +72,16 @@ def _expected(batch: int, heads: int, queries: int, keys: int) -> str:
             f"{heads} heads or 1, {batch} samples or 1")
 
 
+def is_key_padding(mask: Any) -> bool:
+    """A tensor mask with no query dim, or a query dim of 1 (``[Lk]``, ``[1, Lk]``, ``[B|1, H|1, 1, Lk]``)."""
+    return isinstance(mask, torch.Tensor) and 1 <= mask.dim() <= 4 and (mask.dim() == 1 or mask.shape[-2] == 1)
+
+
 def check_mask(where: str, mask: Any, *, batch: int, heads: int, queries: int, keys: int,
-               local_keys: int) -> str | None:
-    """Why ``mask`` cannot be placed for the switched attention (None: it can); no collective, no copy."""
+               local_keys: int, sharded_io: bool = False) -> str | None:
+    """Why ``mask`` cannot be placed for the switched attention (None: it can); no collective, no copy.
+    ``sharded_io``: the model is fed its shard, so a key-padding mask of ``local_keys`` keys is placed too
+    (``gather_key_padding``)."""
     if mask is None:
         return None
     block_mask = _block_mask_type()
@@ -64,6 +96,13 @@ def check_mask(where: str, mask: Any, *, batch: int, heads: int, queries: int, k
     shape = tuple(mask.shape)
     if not 1 <= mask.dim() <= 4:
         return f"{where}: an attention mask of shape {shape} ({mask.dim()} dims); expected 1 to 4 dims"
+    if sharded_io and shape[-1] == local_keys != keys:
+        if not is_key_padding(mask):
+            return (f"{where}: under sharded_io an attention mask of shape {shape} built from this rank's "
+                    f"{local_keys} tokens has {shape[-2]} queries; only a key-padding mask (query dim 1, e.g. "
+                    f"[{batch}, 1, 1, {local_keys}]) can be laid out for the switched attention (its key columns "
+                    f"gathered); expected that, or {_expected(batch, heads, queries, keys)}")
+        keys, queries = local_keys, 1  # the batch and head dims are checked as for a global mask
     if shape[-1] != keys:
         local = " (this rank's own tokens: build it for the whole sequence)" if shape[-1] == local_keys else ""
         return (f"{where}: an attention mask of shape {shape} has {shape[-1]} keys{local}; expected "
@@ -75,6 +114,35 @@ def check_mask(where: str, mask: Any, *, batch: int, heads: int, queries: int, k
             return (f"{where}: an attention mask of shape {shape} has {shape[-k]} on dim {mask.dim() - k}{local}; "
                     f"expected {_expected(batch, heads, queries, keys)}")
     return None
+
+
+def gather_key_padding(mask: torch.Tensor, *, lengths: list[tuple[int, int]], axis: int, count: int,
+                       joint: str | None, group: Any) -> torch.Tensor:
+    """Under ``sharded_io``: a checked key-padding mask (``is_key_padding``) for the global sequence.
+
+    ``lengths``: the (local, global) lengths of the axes folded into the video tokens, ``axis`` the sharded
+    one, ``count`` the ``R`` joint tokens (``joint``: where they sit). The mask holds ``R + L_local`` keys (built
+    from this rank's tokens) or ``R + L`` (built for the whole sequence: this rank's columns of it are sent).
+    One all_gather of the video key columns (a bool mask travels as uint8); the joint columns stay in place.
+    """
+    from dsp_plugin.comm import chunk_sizes, gather, group_rank, group_size
+    from dsp_plugin.packing import offsets
+
+    local, full = [a for a, _ in lengths], [b for _, b in lengths]
+    mine, total, last = math.prod(local), math.prod(full), mask.dim() - 1
+    first = joint == "first"
+    video_at = count if first else 0
+    text = mask.narrow(last, 0 if first else mask.shape[last] - count, count)
+    if mask.shape[last] == count + mine:  # built from this rank's tokens
+        video = mask.narrow(last, video_at, mine).unflatten(last, local)
+    else:                                 # built for the whole sequence: this rank's own columns
+        n, rank = group_size(group), group_rank(group)
+        start = offsets(chunk_sizes(full[axis], n))[rank]
+        video = mask.narrow(last, video_at, total).unflatten(last, full).narrow(last + axis, start, local[axis])
+    wire = video.to(torch.uint8) if video.dtype == torch.bool else video
+    whole = gather(wire.contiguous(), last + axis, group=group, global_len=full[axis]).to(mask.dtype)
+    whole = whole.flatten(last, last + len(full) - 1)
+    return torch.cat((text, whole) if first else (whole, text), dim=last)
 
 
 def place_mask(mask: Any, heads: int, mine: tuple[int, int]) -> Any:

@@ -145,7 +145,9 @@ class _Runtime:
                 block = self.block_pre(path, a, spec)
             elif isinstance(spec, Heads):
                 dispatch.install()  # a backend registered after parallelize is wrapped too
-                enter_heads(path, self.group, spec.joint, comm_dtype=self.comm_dtype, exact=spec.exact)
+                frame = self.frame()
+                io = (frame.io_shard, frame.masks) if frame is not None and frame.sharded_io else None
+                enter_heads(path, self.group, spec.joint, comm_dtype=self.comm_dtype, exact=spec.exact, io=io)
             elif isinstance(spec, Gather) and spec.arg != "out":
                 a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
             elif isinstance(spec, OnShard):

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CASES", "case", "cast", "fill_zeros"]
+__all__ = ["CASES", "case", "cast", "fill_zeros", "hunyuan_video_pipeline"]
 
 BATCH, FRAMES, SIZE, TEXT, TEXT_DIM, HEADS = 2, 5, 6, 7, 16, 3
 
@@ -58,6 +58,27 @@ def hunyuan_video() -> tuple[Any, dict[str, Any]]:
         "hidden_states": _latents(g), "timestep": torch.tensor([3, 700]),
         "encoder_hidden_states": torch.randn(BATCH, TEXT, TEXT_DIM, generator=g),
         "encoder_attention_mask": _text_mask(4), "pooled_projections": torch.randn(BATCH, 8, generator=g)}
+
+
+def hunyuan_video_pipeline() -> Any:
+    """A ``HunyuanVideoPipeline``: ``hunyuan_video``'s model, a tiny ``AutoencoderKLHunyuanVideo`` (x4 in time, x2
+    in space, causal in time), FlowMatch Euler (shift 7), no text encoders: pass ``prompt_embeds``,
+    ``pooled_prompt_embeds`` and ``prompt_attention_mask`` (``hunyuan_video()``'s inputs hold a batch of them).
+    The progress bar is off. Nothing is downloaded."""
+    from diffusers import AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline
+
+    model, _ = hunyuan_video()
+    torch.manual_seed(1)
+    vae = AutoencoderKLHunyuanVideo(in_channels=3, out_channels=3, latent_channels=4,
+                                    down_block_types=("HunyuanVideoDownBlock3D",) * 2,
+                                    up_block_types=("HunyuanVideoUpBlock3D",) * 2, block_out_channels=(8, 16),
+                                    layers_per_block=1, norm_num_groups=4, spatial_compression_ratio=2,
+                                    temporal_compression_ratio=4, mid_block_add_attention=False)
+    pipe = HunyuanVideoPipeline(text_encoder=None, tokenizer=None, transformer=model, vae=vae.eval(),
+                                scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=None,
+                                tokenizer_2=None)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
 
 
 def ltx_video(per_token: bool = False) -> tuple[Any, dict[str, Any]]:

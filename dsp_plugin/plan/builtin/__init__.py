@@ -17,16 +17,19 @@ from dsp_plugin.plan.builtin.factorized import LATTE_PLAN, SVD_PLAN, stdit_plan,
 from dsp_plugin.plan.builtin.joint_attention import (
     COGVIDEOX_PLAN,
     EASYANIMATE_PLAN,
+    HUNYUAN_VIDEO_FRAMES_PLAN,
     HUNYUAN_VIDEO_PLAN,
     MOCHI_PLAN,
     consisid_plan,
     framepack_plan,
+    hunyuan_video_frames_plan,
     hunyuan_video_plan,
 )
 
-__all__ = ["ALLEGRO_PLAN", "BY_CLASS", "COGVIDEOX_PLAN", "EASYANIMATE_PLAN", "HUNYUAN_VIDEO_PLAN", "LATTE_PLAN",
-           "LTX_VIDEO_PLAN", "MOCHI_PLAN", "SKYREELS_V2_PLAN", "SVD_PLAN", "WAN_PLAN", "builtin_plan",
-           "consisid_plan", "framepack_plan", "hunyuan_video_plan", "stdit_plan", "stdit_schedule"]
+__all__ = ["ALLEGRO_PLAN", "BY_CLASS", "COGVIDEOX_PLAN", "EASYANIMATE_PLAN", "HUNYUAN_VIDEO_FRAMES_PLAN",
+           "HUNYUAN_VIDEO_PLAN", "LATTE_PLAN", "LTX_VIDEO_PLAN", "MOCHI_PLAN", "SKYREELS_V2_PLAN", "SVD_PLAN",
+           "WAN_PLAN", "builtin_plan", "consisid_plan", "framepack_plan", "hunyuan_video_frames_plan",
+           "hunyuan_video_plan", "stdit_plan", "stdit_schedule"]
 
 BY_CLASS: dict[str, Any] = {
     "LatteTransformer3DModel": LATTE_PLAN,

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from dsp_plugin.plan.spec import Block, Gather, Heads, Split
+from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["COGVIDEOX_PLAN", "EASYANIMATE_PLAN", "HUNYUAN_VIDEO_PLAN", "MOCHI_PLAN", "consisid_plan",
-           "framepack_plan", "hunyuan_video_plan"]
+__all__ = ["COGVIDEOX_PLAN", "EASYANIMATE_PLAN", "HUNYUAN_VIDEO_FRAMES_PLAN", "HUNYUAN_VIDEO_PLAN", "MOCHI_PLAN",
+           "consisid_plan", "framepack_plan", "hunyuan_video_frames_plan", "hunyuan_video_plan"]
 
 # diffusers' CogVideoXTransformer3DModel: joint full attention over [text, video] (the processor concatenates the
 # text first). Split the flat video tokens at the first block (a flat split also fits CogVideoX 1.5's frames folded
@@ -68,16 +68,50 @@ HUNYUAN_VIDEO_PLAN: dict[str, Any] = {
 }
 
 
-def hunyuan_video_plan(model: Any) -> dict[str, Any]:
-    """``HUNYUAN_VIDEO_PLAN``, refused for ``image_condition_type="token_replace"`` (I2V), whose blocks modulate
-    the first ``first_frame_num_tokens`` tokens of whatever they hold: on a shard, another rank's first tokens."""
+# The same model fed whole frames: the tokens split B (F HW) D on F (whole frames) at the first block and gathered
+# at norm_out, the 3D RoPE (cos, sin) split the same way. The sampler that keeps the latents [B, C, F, H, W]
+# sharded on F across the loop (pipelines/hunyuan_sampler.py) calls the model under sharded_io: RoPE then sees the
+# global shape (Positions), and the text key-padding mask the model builds from its frame shard (R + L_local keys)
+# is laid out by gathering its video key columns (plan/masks.py). Not the default: the entry split refuses fewer
+# latent frames than ranks (9 frames = 3 latent frames on 4 ranks, one frame on any N > 1), which the flat split
+# above serves, and it balances to a frame, not a token (33 latent frames on 8 ranks: 5 on one, 4 on the rest).
+HUNYUAN_VIDEO_FRAMES_PLAN: dict[str, Any] = {
+    "": Grid(F=("hidden_states", 2)),
+    "rope": [Positions("hidden_states", {2: "F"}), Split("out", "(F HW) K", shard="F")],
+    "transformer_blocks.0": Split("hidden_states", "B (F HW) D", shard="F"),
+    "transformer_blocks.*": Block("B (F HW) D", arg="hidden_states"),
+    "single_transformer_blocks.*": Block("B (F HW) D", arg="hidden_states"),
+    "transformer_blocks.*.attn": Heads(joint="last"),
+    "single_transformer_blocks.*.attn": Heads(joint="last"),
+    "norm_out": Gather(0, "B (F HW) D"),
+}
+
+
+def _refuse_token_replace(model: Any, entry: str) -> None:
     kind = getattr(model.config, "image_condition_type", None)
     if kind == "token_replace":
-        raise ValueError("parallelize: HunyuanVideoTransformer3DModel with image_condition_type='token_replace' "
+        raise ValueError(f"{entry}: HunyuanVideoTransformer3DModel with image_condition_type='token_replace' "
                          "modulates its blocks' first first_frame_num_tokens tokens by position; the built-in plan "
                          "splits the tokens, so every rank would treat its own first tokens as frame 0; expected "
                          "image_condition_type None or 'latent_concat'")
+
+
+def hunyuan_video_plan(model: Any) -> dict[str, Any]:
+    """``HUNYUAN_VIDEO_PLAN``, refused for ``image_condition_type="token_replace"`` (I2V), whose blocks modulate
+    the first ``first_frame_num_tokens`` tokens of whatever they hold: on a shard, another rank's first tokens."""
+    _refuse_token_replace(model, "parallelize")
     return HUNYUAN_VIDEO_PLAN
+
+
+def hunyuan_video_frames_plan(model: Any) -> dict[str, Any]:
+    """``HUNYUAN_VIDEO_FRAMES_PLAN`` (whole frames, for a model fed its frame shard), refused as
+    ``hunyuan_video_plan`` refuses, and for ``patch_size_t`` > 1 (frames folded into a token)."""
+    _refuse_token_replace(model, "parallelize")
+    if model.config.patch_size_t != 1:
+        raise ValueError(f"parallelize: HunyuanVideoTransformer3DModel with patch_size_t={model.config.patch_size_t} "
+                         f"folds frames into a token; HUNYUAN_VIDEO_FRAMES_PLAN splits whole frames; expected "
+                         f"patch_size_t=1, or hunyuan_video_plan (a flat token split)")
+    return HUNYUAN_VIDEO_FRAMES_PLAN
 
 
 def framepack_plan(model: Any) -> dict[str, Any]:
