@@ -189,8 +189,11 @@ def test_parse_and_validate_args_end_to_end(monkeypatch: pytest.MonkeyPatch) -> 
             parse_and_validate_args(extra_args_provider=add_dsp_arguments)
         args = get_args()
         assert (args.dsp_size, args.context_parallel_size, args.data_parallel_size) == (4, 4, 1)
-    finally:
+    finally:   # every global parse_and_validate_args set, so a later test's pretrain() may set them again
+        from megatron.core.num_microbatches_calculator import destroy_num_microbatches_calculator
+
         destroy_global_vars()
+        destroy_num_microbatches_calculator()
 
 
 def test_documented_fp8_line_passes_the_shape_checks(monkeypatch: pytest.MonkeyPatch) -> None:
