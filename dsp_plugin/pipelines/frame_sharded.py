@@ -96,6 +96,16 @@ class FrameShardedSampler:
         """(object, method name, replacement) for the decode of a ``frames``-frame video, for one call."""
         return []
 
+    def gathered_decode(self, frames: int) -> tuple[Any, str, Callable[..., Any]]:
+        """``vae.decode`` on the latents gathered first (one all_gather): a VAE causal in time (Wan's,
+        HunyuanVideo's) needs every earlier frame, so every rank decodes the whole video."""
+        vae, decode = self.pipe.vae, self.pipe.vae.decode
+
+        def gathered(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            return decode(self.unshard(z, frames), *args, **kwargs)
+
+        return (vae, "decode", gathered)
+
     # --- one call -------------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """The pipeline's ``__call__`` with its arguments, on this rank's frames; the full video on every rank."""

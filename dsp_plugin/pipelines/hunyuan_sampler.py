@@ -91,12 +91,7 @@ class DSPHunyuanVideoPipeline(FrameShardedSampler):
 
     def decode_parts(self, frames: int) -> list[tuple[Any, str, Any]]:
         """``vae.decode`` on the gathered latents (the causal VAE needs every earlier frame): one all_gather."""
-        vae, decode = self.pipe.vae, self.pipe.vae.decode
-
-        def gathered(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            return decode(self.unshard(z, frames), *args, **kwargs)
-
-        return [(vae, "decode", gathered)]
+        return [self.gathered_decode(frames)]
 
 
 def parallelize_hunyuan_video_pipeline(pipe: Any, *, dsp_group: dist.ProcessGroup | None = None,

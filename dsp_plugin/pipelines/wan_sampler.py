@@ -95,12 +95,8 @@ class DSPWanPipeline(FrameShardedSampler):
         every frame and the tiles are exchanged in one more all_gather (``wan_vae.split_tiled_decode``, equal to
         diffusers' ``tiled_decode``). Without tiling, or within one tile, every rank decodes the whole video.
         """
-        vae, decode = self.pipe.vae, self.pipe.vae.decode
-
-        def gathered(z: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            return decode(self.unshard(z, frames), *args, **kwargs)
-
-        parts: list[tuple[Any, str, Any]] = [(vae, "decode", gathered)]
+        vae = self.pipe.vae
+        parts: list[tuple[Any, str, Any]] = [self.gathered_decode(frames)]
         if group_size(self.dsp_group) > 1:
             def split(z: torch.Tensor, return_dict: bool = True) -> Any:
                 return split_tiled_decode(vae, z, return_dict, group=self.dsp_group)
