@@ -50,6 +50,7 @@ class _Clock:
 
     def __init__(self) -> None:
         self.on = False
+        self.without_mode = False
         self.stack: list[tuple[str, str]] = []
         self.last = (0.0, 0.0)
         self.reset()
@@ -58,13 +59,13 @@ class _Clock:
         self.wall = {"plan": 0.0, "excluded": 0.0}
         self.cpu = {"plan": 0.0, "excluded": 0.0}
         self.calls = {"plan": 0, "excluded": 0, "mode": 0}
-        self.by: dict[str, float] = {}  # exclusive wall time per timed function (where the time goes)
+        self.by: dict[str, float] = {}  # exclusive CPU time per timed function (where the time goes)
 
     def _charge(self, wall: float, cpu: float) -> None:
         category, label = self.stack[-1]
         self.wall[category] += wall - self.last[0]
         self.cpu[category] += cpu - self.last[1]
-        self.by[label] = self.by.get(label, 0.0) + wall - self.last[0]
+        self.by[label] = self.by.get(label, 0.0) + cpu - self.last[1]
 
     def timed(self, category: str, fn: Any, label: str | None = None) -> Any:
         label = label or f"{category}: {getattr(fn, '__qualname__', type(fn).__name__)}"
@@ -123,6 +124,15 @@ def _instrument(clock: _Clock) -> None:
         return mode_fn(*args, **kwargs)
 
     attention._HeadSwitchMode.__torch_function__ = counted
+    enter = attention._HeadSwitchMode.__enter__
+
+    def entered(mode: Any) -> Any:  # the SDPA level left off (the A/B of its cost; Wan attends through dispatch)
+        if clock.without_mode:
+            mode.call.mode_entered = False
+            return mode
+        return enter(mode)
+
+    attention._HeadSwitchMode.__enter__ = entered
 
 
 def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[str, ...]) -> dict[str, Any]:
@@ -158,19 +168,25 @@ def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[
     for mode in modes:
         for _ in range(2):  # warm-up: the first call's cross-rank checks, every_gradient's learning forward
             step(mode)
-        keys = ("step", "step_cpu", "plan", "plan_cpu", "excluded", "untimed", "calls", "mode_calls")
+        keys = ("step", "step_cpu", "plan", "plan_cpu", "excluded", "untimed", "untimed_cpu", "without_mode_cpu",
+                "calls", "mode_calls")
         rows: dict[str, Any] = {k: [] for k in keys} | {"by": {}}
+        kinds = ["timed", "untimed", "without_mode"]
         for r in range(rounds):
-            for timed in ((True, False) if r % 2 == 0 else (False, True)):   # alternating order
+            for kind in kinds[r % 3:] + kinds[:r % 3]:   # rotating order
                 model.zero_grad(set_to_none=True)
                 clock.reset()
-                clock.on = timed
+                clock.on, clock.without_mode = kind == "timed", kind == "without_mode"
                 start, start_cpu = time.perf_counter(), time.thread_time()
                 step(mode)
                 elapsed, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
-                clock.on = False
-                if not timed:
+                clock.on = clock.without_mode = False
+                if kind == "untimed":
                     rows["untimed"].append(elapsed)
+                    rows["untimed_cpu"].append(cpu)
+                elif kind == "without_mode":
+                    rows["without_mode_cpu"].append(cpu)
+                if kind != "timed":
                     continue
                 for key, value in (("step", elapsed), ("step_cpu", cpu), ("plan", clock.wall["plan"]),
                                    ("plan_cpu", clock.cpu["plan"]), ("excluded", clock.wall["excluded"]),
@@ -206,8 +222,15 @@ def measure(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 20
         return [max(p / w for p, w in zip(ps, ws)) for ps, ws in
                 zip(zip(*(r[part] for r in ranks)), zip(*(r[whole] for r in ranks)))]
 
+    def mode_share(r: dict[str, Any]) -> list[float]:  # the SDPA level's cost over the step, CPU, per round
+        return [(a - b) / a for a, b in zip(r["untimed_cpu"], r["without_mode_cpu"])]
+
     for mode in modes:
         ranks = [r[mode] for r in per_rank]
+        for r in ranks:
+            r["mode_share"] = mode_share(r)
+            r["total_share"] = [p / s + m for p, s, m in zip(r["plan_cpu"], r["step_cpu"], r["mode_share"])]
+            r["mode_cpu"] = [a - b for a, b in zip(r["untimed_cpu"], r["without_mode_cpu"])]
         plan = quantiles(slowest("plan"))
         calls = ranks[0]["calls"][0]
         result[mode] = {"step_s": quantiles(slowest("step")), "untimed_s": quantiles(slowest("untimed")),
@@ -215,6 +238,8 @@ def measure(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 20
                         "excluded_s": quantiles(slowest("excluded")),
                         "share": quantiles(largest_share("plan", "step")),
                         "cpu_share": quantiles(largest_share("plan_cpu", "step_cpu")),
+                        "mode_cpu_s": quantiles(slowest("mode_cpu")), "mode_share": quantiles(slowest("mode_share")),
+                        "total_share": quantiles(slowest("total_share")),
                         "calls": calls, "mode_calls": ranks[0]["mode_calls"][0],
                         "per_call_us": 1e6 * plan["median"] / max(calls, 1),
                         "by": dict(sorted(((label, statistics.median(ts)) for label, ts in ranks[0]["by"].items()),
@@ -223,35 +248,36 @@ def measure(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 20
 
 
 def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """One flat row per mode: what the bench's tables print."""
+    """One flat row per mode (medians over the rounds): what the bench's tables print."""
     out = []
     for mode in MODES:
         r = result.get(mode)
         if r is None:
             continue
+        med = {k: v["median"] for k, v in r.items() if isinstance(v, dict) and "median" in v}
         out.append({"mode": mode, "n": result["n"], "size": result["size"], "tokens": result["tokens"],
-                    "step_ms": 1e3 * r["step_s"]["median"], "untimed_ms": 1e3 * r["untimed_s"]["median"],
-                    "plan_ms": 1e3 * r["plan_s"]["median"], "plan_cpu_ms": 1e3 * r["plan_cpu_s"]["median"],
-                    "excluded_ms": 1e3 * r["excluded_s"]["median"],
-                    "share": r["share"]["median"], "share_p25": r["share"]["p25"], "share_p75": r["share"]["p75"],
-                    "cpu_share": r["cpu_share"]["median"], "calls": r["calls"], "mode_calls": r["mode_calls"],
+                    "step_ms": 1e3 * med["step_s"], "untimed_ms": 1e3 * med["untimed_s"],
+                    "plan_ms": 1e3 * med["plan_s"], "plan_cpu_ms": 1e3 * med["plan_cpu_s"],
+                    "excluded_ms": 1e3 * med["excluded_s"], "share": med["share"],
+                    "share_p25": r["share"]["p25"], "share_p75": r["share"]["p75"], "cpu_share": med["cpu_share"],
+                    "mode_cpu_ms": 1e3 * med["mode_cpu_s"], "mode_share": med["mode_share"],
+                    "total_share": med["total_share"], "calls": r["calls"], "mode_calls": r["mode_calls"],
                     "per_call_us": r["per_call_us"]})
     return out
 
 
 def markdown(results: list[dict[str, Any]]) -> str:
-    lines = ["| Wan (layers, heads x dim, tokens) | N | step | step ms (timed / untimed) | plan runtime ms (CPU ms) | "
-             "share of the step: wall, median [IQR] | CPU share | timed calls (us each) | ops through the "
-             "head-switch mode | collectives + kernels ms |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| Wan (layers, heads x dim, tokens) | N | step | step ms (untimed) | hooks ms, wall (CPU) | "
+             "hooks' share, wall [IQR] | hooks' share, CPU | SDPA-level mode ms CPU (ops) | runtime's share, CPU |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for result in results:
         layers, heads, head_dim = result["size"][:3]
         for r in rows(result):
             lines.append(f"| {layers}, {heads} x {head_dim}, {r['tokens']} | {r['n']} | {r['mode']} | "
-                         f"{r['step_ms']:.1f} / {r['untimed_ms']:.1f} | {r['plan_ms']:.2f} ({r['plan_cpu_ms']:.2f}) | "
-                         f"{100 * r['share']:.2f}% [{100 * r['share_p25']:.2f}-{100 * r['share_p75']:.2f}] | "
-                         f"{100 * r['cpu_share']:.2f}% | {r['calls']} ({r['per_call_us']:.0f}) | {r['mode_calls']} | "
-                         f"{r['excluded_ms']:.1f} |")
+                         f"{r['step_ms']:.1f} ({r['untimed_ms']:.1f}) | {r['plan_ms']:.2f} ({r['plan_cpu_ms']:.2f}) | "
+                         f"{100 * r['share']:.1f}% [{100 * r['share_p25']:.1f}-{100 * r['share_p75']:.1f}] | "
+                         f"{100 * r['cpu_share']:.1f}% | {r['mode_cpu_ms']:.2f} ({r['mode_calls']}) | "
+                         f"**{100 * r['total_share']:.1f}%** |")
     return "\n".join(lines)
 
 
@@ -263,7 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=2, choices=(2, 4))
     parser.add_argument("--quick", action="store_true", help=f"only the small Wan {QUICK}")
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds per mode (default 20)")
-    parser.add_argument("--where", action="store_true", help="also rank 0's exclusive time per timed function")
+    parser.add_argument("--where", action="store_true", help="also rank 0's exclusive CPU time per timed function")
     args = parser.parse_args(argv)
     sizes = [QUICK] if args.quick else [SIZE, QUICK]
     results = [measure(args.nproc, s, rounds=args.rounds) for s in sizes]
@@ -271,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.where:
         for result in results:
             for mode in MODES:
-                print(f"\n{result['size']} {mode}: rank 0's exclusive ms per step, median over the rounds")
+                print(f"\n{result['size']} {mode}: rank 0's exclusive CPU ms per step, median over the rounds")
                 for label, t in result[mode]["by"].items():
                     print(f"  {1e3 * t:8.3f}  {label}")
     return 0
