@@ -1,6 +1,7 @@
 """The plan runtime's share of a step: the time spent in our own Python around a parallelized model.
 
-    python -m dsp_plugin.bench.overhead --nproc 2 [--quick] [--rounds 20]
+    python -m dsp_plugin.bench.overhead --nproc 2 [--quick] [--rounds 20] [--where]
+    python -m dsp_plugin.bench.overhead --size 4,12,16,16,32 --forward-only --rounds 9   # a larger Wan
 
 One Wan (``dsp_plugin.bench.wan``'s model and inputs) parallelized by its built-in plan on N gloo
 ranks (CPU, fp32), timed per step (one forward under ``no_grad``, a denoising step, and one forward +
@@ -290,13 +291,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"only the small Wan {QUICK}")
     parser.add_argument("--rounds", type=int, default=20, help="timed rounds per mode (default 20)")
     parser.add_argument("--where", action="store_true", help="also rank 0's exclusive CPU time per timed function")
+    parser.add_argument("--size", default=None, metavar="L,H,D,F,HW",
+                        help="one Wan size instead: layers, heads, head dim, latent frames, latent height = width")
+    parser.add_argument("--forward-only", action="store_true", help="only the forward (no training step)")
     args = parser.parse_args(argv)
     sizes = [QUICK] if args.quick else [SIZE, QUICK]
-    results = [measure(args.nproc, s, rounds=args.rounds) for s in sizes]
+    if args.size is not None:
+        sizes = [tuple(int(v) for v in args.size.split(","))]
+    modes = ("forward",) if args.forward_only else MODES
+    results = [measure(args.nproc, s, rounds=args.rounds, modes=modes) for s in sizes]
     print(markdown(results))
     if args.where:
         for result in results:
-            for mode in MODES:
+            for mode in modes:
                 print(f"\n{result['size']} {mode}: rank 0's exclusive CPU ms per step, median over the rounds")
                 for label, t in result[mode]["by"].items():
                     print(f"  {1e3 * t:8.3f}  {label}")
