@@ -170,6 +170,10 @@ RULES: list[Rule] = [
                                                                           (r"^python", sys.executable)),
          expect="MEASURED (H100 run"),
     Rule(r"bench --scale-only", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),), expect="Fig 8"),
+    Rule(r"bench --costs-only", "check", "flags checked; the same costs section runs at tiny sizes, its compile "
+         "rows left out, in tests/test_bench_costs.py (a first compiled call takes about a minute here)"),
+    Rule(r"python -m dsp_plugin\.bench\.overhead", "check", "flags checked; tests/test_bench_costs.py runs its "
+         "measure at a tiny Wan"),
     Rule(r"bench --quick", "covered", tests=("tests/test_bench.py::test_quick_bench_runs_and_writes_its_files",)),
     Rule(r"bench --methods", "check", "flags checked; the methods run in tests/test_bench.py"),
     Rule(r"bench --wan-only|bench --no-wan", "check", "flags checked; the same full-3D section runs in "
@@ -282,13 +286,14 @@ def check_line(item: Item) -> None:
     if shell_script is None:  # the launcher's own flags come before the script
         names = [w for w in words if any(w.endswith(k) for k in _LAUNCHED)]
         flags = [w.split("=")[0] for w in words[words.index(names[0]):] if w.startswith("--")] if names else []
-    if "dsp_plugin.bench" in text and "switch" not in text:
+    if "dsp_plugin.bench" in words:
         from dsp_plugin.bench.__main__ import parse_args
 
         parse_args(words[words.index("dsp_plugin.bench") + 1:])
         return
-    if "dsp_plugin.bench.switch" in text:
-        target = "dsp_plugin.bench.switch"
+    for module in ("dsp_plugin.bench.switch", "dsp_plugin.bench.overhead"):
+        if module in words:
+            target = module
     if target and flags:
         help_text = _help(target)
         missing = [f for f in flags if f not in help_text]

@@ -6,6 +6,7 @@
     python -m dsp_plugin.bench --scale-only --calibration measured.json
     python -m dsp_plugin.bench --wan-only --nproc 2   # only the full-3D section: Wan + the mixed model
     python -m dsp_plugin.bench --no-wan         # leave the Wan row out
+    python -m dsp_plugin.bench --costs-only --quick --nproc 2   # only issue 28's costs (a few minutes)
     python -m dsp_plugin.bench.mixed            # only the mixed-model table (factorized + full blocks)
 
 The ranks run on NCCL, one GPU each, when CUDA is present, else on gloo and the CPU
@@ -17,7 +18,10 @@ section: the Wan row (``dsp_plugin.bench.wan``: our plan against diffusers' own
 Ulysses on the same model and inputs, counts, equality and the time ratio of
 one run) as ``wan_n{N}.md`` and the mixed model's table
 (``dsp_plugin.bench.mixed``: DSP switches + head switch against Ulysses
-everywhere, in bytes) as ``mixed_n{N}.md``. Progress goes to stderr; the tables
+everywhere, in bytes) as ``mixed_n{N}.md``, and last the costs section
+(``dsp_plugin.bench.costs``: eager vs ``torch.compile`` step time, bf16 vs FP8
+bytes and time per switch and head switch, the plan runtime's share of a Wan
+step) as ``costs_n{N}.md`` and ``.json``. Progress goes to stderr; the tables
 to stdout.
 """
 
@@ -33,8 +37,8 @@ from typing import Any
 
 from dsp_plugin.backend import choose
 from dsp_plugin.bench import calibration, report, scale_markdown, scale_report
-from dsp_plugin.spawn import spawn
 from dsp_plugin.bench.config import FULL, METHODS, QUICK
+from dsp_plugin.spawn import spawn
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +55,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wan-only", action="store_true",
                         help="only the full-3D section: Wan (our plan against diffusers' Ulysses) and the mixed model")
     parser.add_argument("--no-wan", action="store_true", help="leave the Wan row out")
+    parser.add_argument("--costs-only", action="store_true",
+                        help="only the costs section: eager vs compiled, bf16 vs FP8 on the wire, the plan runtime's "
+                             "share of a Wan step (with --quick: a few minutes on 2 CPU cores)")
+    parser.add_argument("--no-costs", action="store_true", help="leave the costs section out")
     parser.add_argument("--calibration", type=Path, default=None,
                         help=f"JSON of measured figures for the scale model (default: ${calibration.ENV}, "
                              f"else ./{calibration.DEFAULT_FILE} when present)")
@@ -63,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps={args.steps}: the median needs at least 10 timed steps")
     if args.wan_only and (args.no_wan or args.scale_only):
         parser.error("--wan-only: runs only the Wan row and the mixed model; it excludes --no-wan and --scale-only")
+    if args.costs_only and (args.wan_only or args.scale_only or args.no_costs):
+        parser.error("--costs-only: runs only the costs section; it excludes --wan-only, --scale-only and --no-costs")
     args.methods = methods
     return args
 
@@ -70,6 +80,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.costs_only:
+        written = _costs(args)
+        print(f"\n[bench] wrote {', '.join(map(str, written))}", file=sys.stderr)
+        return 0
     if args.wan_only:
         cfg = QUICK if args.quick else FULL
         written = _full3d(args, dataclasses.replace(cfg, steps=args.steps or cfg.steps))
@@ -109,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     print(scale_md, flush=True)
     plotted = _plot(stem.with_suffix(".png"), report.plot, summary, stem.with_suffix(".png"))
     written = _full3d(args, cfg)
+    if not args.no_costs:
+        written += _costs(args)
     pngs = f", {stem}.png, {args.out / 'scale_model.png'}" if plotted else ""
     print(f"\n[bench] wrote {stem}.json, {stem}.md, {', '.join(map(str, written))}{pngs} in "
           f"{time.perf_counter() - start:.1f}s", file=sys.stderr)
@@ -136,6 +152,17 @@ def _full3d(args: argparse.Namespace, cfg: Any) -> list[Path]:
     written[-1].write_text(mixed_md + "\n")
     print(f"\n## Mixed model\n\n{mixed_md}", flush=True)
     return written
+
+
+def _costs(args: argparse.Namespace) -> list[Path]:
+    """Issue 28's costs section (``dsp_plugin.bench.costs``); returns the files written."""
+    from dsp_plugin.bench import costs
+
+    print(f"[bench] costs: eager vs compiled, bf16 vs FP8 on the wire, the plan runtime's share, on {args.nproc} "
+          "ranks", file=sys.stderr, flush=True)
+    result = costs.run(args.nproc, quick=args.quick, rounds=args.steps)
+    print(f"\n## Costs: compile, FP8 on the wire, the plan runtime\n\n{costs.markdown(result)}", flush=True)
+    return costs.write(result, args.out)
 
 
 def _plot(path: Path, fn: Any, *args: Any) -> bool:

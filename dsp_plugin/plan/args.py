@@ -56,11 +56,28 @@ class Args:
 
     An argument is named by its name or position, or by a path into a nested
     tuple/list argument: ``("image_rotary_emb", 1)`` is element 1 of that argument.
+    Bound on first use (a hook that reads no argument, a ``Heads``-only module's,
+    binds nothing); ``changed`` says whether ``set`` ran (else the call's own
+    arguments stand).
     """
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.sig = _signature(module.forward)
-        self.bound = self.sig.bind_partial(*args, **kwargs)
+        self.module, self.args, self.kwargs = module, args, kwargs
+        self._sig: inspect.Signature | None = None
+        self._bound: inspect.BoundArguments | None = None
+        self.changed = False
+
+    @property
+    def sig(self) -> inspect.Signature:
+        if self._sig is None:
+            self._sig = _signature(self.module.forward)
+        return self._sig
+
+    @property
+    def bound(self) -> inspect.BoundArguments:
+        if self._bound is None:
+            self._bound = self.sig.bind_partial(*self.args, **self.kwargs)
+        return self._bound
 
     def name(self, arg: str | int | tuple[Any, ...]) -> str:
         if isinstance(arg, tuple):
@@ -86,8 +103,11 @@ class Args:
             value = type(parent)(items) if isinstance(parent, list) or type(parent) is tuple else type(parent)(*items)
             return self.set(arg[:-1], value)
         self.bound.arguments[self.name(arg)] = value
+        self.changed = True
 
     def out(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if self._bound is None:
+            return self.args, self.kwargs
         return tuple(self.bound.args), dict(self.bound.kwargs)
 
 

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import _get_current_function_mode as _top_function_mode
+from torch.overrides import _pop_mode_temporarily
 
 from dsp_plugin.plan.attention import current_call
 
@@ -95,6 +97,12 @@ def _wrap_backend(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             _deferred_checks(name, given)
             return fn(**given)
 
+        if call.mode_entered and _top_function_mode() is call.mode:
+            # the SDPA level is not needed while this call attends (the kernel's own SDPA passes through it):
+            # the head switch's copies and collectives run without a Python call per op (as under the SDPA
+            # level, whose handler runs with its mode popped)
+            with _pop_mode_temporarily():
+                return call.attend(kernel, q, k, v, kwargs.get("attn_mask"), seq=1, head=2, error=error)
         return call.attend(kernel, q, k, v, kwargs.get("attn_mask"), seq=1, head=2, error=error)
 
     backend._dsp_heads_original = fn  # type: ignore[attr-defined]
@@ -121,10 +129,18 @@ def _deferred_checks(name: Any, kwargs: dict[str, Any]) -> None:
         getattr(check, "_dsp_heads_original", check)(**kwargs)
 
 
+_installed: list[Any] = [None, None]  # what install() left in the registry: (backends, constraints) copies
+
+
 def install() -> None:
-    """Wrap every backend (and its constraint checks) registered in diffusers' dispatch; idempotent."""
+    """Wrap every backend (and its constraint checks) registered in diffusers' dispatch; idempotent.
+
+    Runs at every ``Heads`` call: when the registry holds what the last call left there (a dict
+    comparison), nothing was registered or replaced since, and there is nothing to wrap."""
     registry = _registry()
     if registry is None:
+        return
+    if registry._backends == _installed[0] and registry._constraints == _installed[1]:
         return
     for name, fn in list(registry._backends.items()):
         if not wrapped(fn):
@@ -132,6 +148,7 @@ def install() -> None:
     for name, checks in list(registry._constraints.items()):
         if any(not wrapped(c) for c in checks):
             registry._constraints[name] = [c if wrapped(c) else _wrap_constraint(c) for c in checks]
+    _installed[:] = [dict(registry._backends), {name: list(checks) for name, checks in registry._constraints.items()}]
 
 
 def check_model(model: nn.Module, heads_paths: list[str]) -> None:

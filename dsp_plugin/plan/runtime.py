@@ -127,7 +127,7 @@ class _Runtime:
     # -- per-module hooks -----------------------------------------------------
     def pre(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:
-        a = _Args(module, args, kwargs)
+        a = _Args(module, args, kwargs)  # bound on first use: a Heads-only module's hook binds nothing
         originals = {spec.arg: a.get(spec.arg) for spec in specs if isinstance(spec, OnShard)}
         block: dict[str, Any] | None = None
         for spec in specs:
@@ -154,14 +154,14 @@ class _Runtime:
                 self.on_shard(path, a, spec, originals[spec.arg])
             elif isinstance(spec, Positions):
                 frame = self.frame()
-                x = a.get(spec.arg)
-                if frame is not None and frame.sharded_io and isinstance(x, torch.Tensor):
+                x = a.get(spec.arg) if frame is not None and frame.sharded_io else None
+                if isinstance(x, torch.Tensor):
                     shape = [frame.grid[spec.dims[d]] if d in spec.dims else x.shape[d] for d in range(x.dim())]
                     a.set(spec.arg, x.new_zeros(()).expand(shape))  # the global shape, no memory
         if block is not None and block["empty"] and not any(isinstance(spec, Heads) for spec in specs):
             block["mode"] = EmptyShardMode()   # entered last, left first (block_post): the mode stack's order
             block["mode"].__enter__()
-        return a.out()
+        return a.out() if a.changed else None  # None: the call's own arguments
 
     def post(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
              output: Any) -> Any:

@@ -1,0 +1,314 @@
+"""The plan runtime's share of a step: the time spent in our own Python around a parallelized model.
+
+    python -m dsp_plugin.bench.overhead --nproc 2 [--quick] [--rounds 20] [--where]
+    python -m dsp_plugin.bench.overhead --size 4,12,16,16,32 --forward-only --rounds 9   # a larger Wan
+
+One Wan (``dsp_plugin.bench.wan``'s model and inputs) parallelized by its built-in plan on N gloo
+ranks (CPU, fp32), timed per step (one forward under ``no_grad``, a denoising step, and one forward +
+backward, a training step). In the timed steps every piece of the plan runtime is timed by a clock of
+*exclusive* time (a nested piece's time is its own, never its caller's too):
+
+- the plan's hooks: every forward pre-hook and hook ``parallelize`` registered (the model's own, the
+  ``Split``/``Block``/``Heads``/``Gather`` hooks of its modules, ``every_gradient``'s), found as the hooks
+  the model has after ``parallelize`` and not before;
+- the head switch's wrapper at diffusers' attention dispatch (``plan.dispatch``) and ``HeadsCall.attend``;
+- the backward of the plan's own autograd nodes (the partial split, the 1/N on the output, ``_Touch``);
+
+less the time inside them that is not the runtime's bookkeeping: the collectives (``dynamic_switch``,
+``gather``, the head switch's ``_to_heads``/``from_heads``, each with its own checks) and the attention
+kernel. What is left is the runtime's Python (argument binding, frames, tags, checks, the split's
+narrow and copy), reported as a share of the step (the slowest rank's step each round; the share is the
+largest rank's), in wall time and in CPU time (the runtime's CPU time over the step's on the calling
+thread: robust to other jobs preempting the ranks on a shared machine, and without the waits in the
+collectives). Also counted: the ops that pass through the head switch's ``TorchFunctionMode`` (a Python
+call each, while a ``Heads`` module runs). The timed steps run beside untimed ones in alternating order,
+so the clock's own cost shows as the difference of the two step times (``step_ms`` against ``untimed_ms``).
+
+Timing is reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from dsp_plugin.spawn import spawn
+
+__all__ = ["measure", "markdown", "rows"]
+
+MODES = ("forward", "train")
+
+
+class _Clock:
+    """Exclusive wall and CPU time per category over nested timed calls (one thread: on the CPU the ranks'
+    backward runs on the thread that called it)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.without_mode = False
+        self.stack: list[tuple[str, str]] = []
+        self.last = (0.0, 0.0)
+        self.reset()
+
+    def reset(self) -> None:
+        self.wall = {"plan": 0.0, "excluded": 0.0}
+        self.cpu = {"plan": 0.0, "excluded": 0.0}
+        self.calls = {"plan": 0, "excluded": 0, "mode": 0}
+        self.by: dict[str, float] = {}  # exclusive CPU time per timed function (where the time goes)
+
+    def _charge(self, wall: float, cpu: float) -> None:
+        category, label = self.stack[-1]
+        self.wall[category] += wall - self.last[0]
+        self.cpu[category] += cpu - self.last[1]
+        self.by[label] = self.by.get(label, 0.0) + cpu - self.last[1]
+
+    def timed(self, category: str, fn: Any, label: str | None = None) -> Any:
+        label = label or f"{category}: {getattr(fn, '__qualname__', type(fn).__name__)}"
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not self.on:
+                return fn(*args, **kwargs)
+            wall, cpu = time.perf_counter(), time.thread_time()
+            if self.stack:
+                self._charge(wall, cpu)
+            self.stack.append((category, label))
+            self.calls[category] += 1
+            self.last = (wall, cpu)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                wall, cpu = time.perf_counter(), time.thread_time()
+                self._charge(wall, cpu)
+                self.stack.pop()
+                self.last = (wall, cpu)
+
+        return call
+
+
+def _hook_dicts(model: torch.nn.Module) -> list[dict[int, Any]]:
+    return [d for m in model.modules() for d in (m._forward_pre_hooks, m._forward_hooks)]
+
+
+def _instrument(clock: _Clock) -> None:
+    """Patch this process (a spawned rank) so that the collectives and the attention kernels are excluded,
+    and the plan's dispatch wrapper, ``attend`` and its autograd nodes' backward are timed as the plan's."""
+    from dsp_plugin import every_gradient
+    from dsp_plugin.head_switch import exchange
+    from dsp_plugin.plan import attention, dispatch, ops
+
+    for module, name in ((ops, "dynamic_switch"), (ops, "gather"), (exchange, "_to_heads"),
+                         (exchange, "from_heads")):
+        setattr(module, name, clock.timed("excluded", getattr(module, name)))
+    attention.HeadsCall.attend = clock.timed("plan", attention.HeadsCall.attend)
+    wrap = dispatch._wrap_backend
+
+    def wrap_backend(name: Any, fn: Any) -> Any:  # the original kernel excluded, the wrapper timed
+        inner = clock.timed("excluded", fn)
+        outer = clock.timed("plan", wrap(name, inner))
+        outer._dsp_heads_original = inner  # type: ignore[attr-defined]
+        return outer
+
+    dispatch._wrap_backend = wrap_backend
+    for cls in (ops._PartialSplit, ops._ScaleGrad, every_gradient._Touch):
+        cls.backward = staticmethod(clock.timed("plan", cls.backward))
+    mode_fn = attention._HeadSwitchMode.__torch_function__
+
+    def counted(*args: Any, **kwargs: Any) -> Any:  # an op through the head switch's function mode
+        clock.calls["mode"] += clock.on
+        return mode_fn(*args, **kwargs)
+
+    attention._HeadSwitchMode.__torch_function__ = counted
+    enter = attention._HeadSwitchMode.__enter__
+
+    def entered(mode: Any) -> Any:  # the SDPA level left off (the A/B of its cost; Wan attends through dispatch)
+        if clock.without_mode:
+            mode.call.mode_entered = False
+            return mode
+        return enter(mode)
+
+    attention._HeadSwitchMode.__enter__ = entered
+
+
+def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[str, ...]) -> dict[str, Any]:
+    from dsp_plugin.log import quiet_third_party
+
+    quiet_third_party()
+    import dsp_plugin
+    from dsp_plugin.bench.wan import _setup
+    from dsp_plugin.topology import Topology, set_topology
+
+    set_topology(Topology.world())
+    clock = _Clock()
+    _instrument(clock)
+    reference, batch = _setup(size)
+    model = copy.deepcopy(reference)
+    before = {id(d): set(d) for d in _hook_dicts(model)}
+    dsp_plugin.parallelize(model)
+    for d in _hook_dicts(model):  # the hooks parallelize registered
+        for key in set(d) - before.get(id(d), set()):
+            hook = d[key]
+            label = f"plan: {hook.kind} hook of {hook.path!r}" if hasattr(hook, "path") else None
+            d[key] = clock.timed("plan", hook, label)
+
+    def step(mode: str) -> None:
+        if mode == "forward":
+            with torch.no_grad():
+                model(*batch, return_dict=False)
+            return
+        x = batch[0].clone().requires_grad_(True)
+        model(x, *batch[1:], return_dict=False)[0].square().mean().backward()
+
+    out: dict[str, Any] = {}
+    for mode in modes:
+        for _ in range(2):  # warm-up: the first call's cross-rank checks, every_gradient's learning forward
+            step(mode)
+        keys = ("step", "step_cpu", "plan", "plan_cpu", "excluded", "untimed", "untimed_cpu", "without_mode_cpu",
+                "calls", "mode_calls")
+        rows: dict[str, Any] = {k: [] for k in keys} | {"by": {}}
+        kinds = ["timed", "untimed", "without_mode"]
+        for r in range(rounds):
+            for kind in kinds[r % 3:] + kinds[:r % 3]:   # rotating order
+                model.zero_grad(set_to_none=True)
+                clock.reset()
+                clock.on, clock.without_mode = kind == "timed", kind == "without_mode"
+                start, start_cpu = time.perf_counter(), time.thread_time()
+                step(mode)
+                elapsed, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
+                clock.on = clock.without_mode = False
+                if kind == "untimed":
+                    rows["untimed"].append(elapsed)
+                    rows["untimed_cpu"].append(cpu)
+                elif kind == "without_mode":
+                    rows["without_mode_cpu"].append(cpu)
+                if kind != "timed":
+                    continue
+                for key, value in (("step", elapsed), ("step_cpu", cpu), ("plan", clock.wall["plan"]),
+                                   ("plan_cpu", clock.cpu["plan"]), ("excluded", clock.wall["excluded"]),
+                                   ("calls", clock.calls["plan"]), ("mode_calls", clock.calls["mode"])):
+                    rows[key].append(value)
+                for label, t in clock.by.items():
+                    rows["by"].setdefault(label, []).append(t)
+        out[mode] = rows
+    return out
+
+
+def measure(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 20,
+            modes: tuple[str, ...] = MODES) -> dict[str, Any]:
+    """The plan runtime's time per step and its share, per mode (``forward``, ``train``), at Wan ``size``
+    (``dsp_plugin.bench.wan``'s ``(layers, heads, head_dim, frames, height)``; default its bench size).
+
+    Per round the slowest rank's step and the largest rank's plan time and share; then median and
+    quartiles over the rounds (``bench.report.quantiles``). ``share``: wall time in the runtime over the
+    step's wall time; ``cpu_share``: the runtime's CPU time over the step's CPU time on the calling thread
+    (preemption by other jobs on the cores left out of both; waiting in a collective left out of the step).
+    """
+    from dsp_plugin.bench.report import quantiles
+    from dsp_plugin.bench.wan import SIZE
+
+    size = tuple(size or SIZE)
+    per_rank = spawn(_worker, n, size, rounds, tuple(modes), timeout=900, collective_timeout_s=120)
+    result: dict[str, Any] = {"n": n, "size": size, "rounds": rounds, "tokens": size[3] * (size[4] // 2) ** 2}
+
+    def slowest(key: str) -> list[float]:
+        return [max(values) for values in zip(*(r[key] for r in ranks))]
+
+    def largest_share(part: str, whole: str) -> list[float]:
+        return [max(p / w for p, w in zip(ps, ws)) for ps, ws in
+                zip(zip(*(r[part] for r in ranks)), zip(*(r[whole] for r in ranks)))]
+
+    def mode_share(r: dict[str, Any]) -> list[float]:  # the SDPA level's cost over the step, CPU, per round
+        return [(a - b) / a for a, b in zip(r["untimed_cpu"], r["without_mode_cpu"])]
+
+    for mode in modes:
+        ranks = [r[mode] for r in per_rank]
+        for r in ranks:
+            r["mode_share"] = mode_share(r)
+            r["total_share"] = [p / s + m for p, s, m in zip(r["plan_cpu"], r["step_cpu"], r["mode_share"])]
+            r["mode_cpu"] = [a - b for a, b in zip(r["untimed_cpu"], r["without_mode_cpu"])]
+        plan = quantiles(slowest("plan"))
+        calls = ranks[0]["calls"][0]
+        result[mode] = {"step_s": quantiles(slowest("step")), "untimed_s": quantiles(slowest("untimed")),
+                        "plan_s": plan, "plan_cpu_s": quantiles(slowest("plan_cpu")),
+                        "excluded_s": quantiles(slowest("excluded")),
+                        "share": quantiles(largest_share("plan", "step")),
+                        "cpu_share": quantiles(largest_share("plan_cpu", "step_cpu")),
+                        "mode_cpu_s": quantiles(slowest("mode_cpu")), "mode_share": quantiles(slowest("mode_share")),
+                        "total_share": quantiles(slowest("total_share")),
+                        "calls": calls, "mode_calls": ranks[0]["mode_calls"][0],
+                        "per_call_us": 1e6 * plan["median"] / max(calls, 1),
+                        "by": dict(sorted(((label, statistics.median(ts)) for label, ts in ranks[0]["by"].items()),
+                                          key=lambda kv: -kv[1]))}
+    return result
+
+
+def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """One flat row per mode (medians over the rounds): what the bench's tables print."""
+    out = []
+    for mode in MODES:
+        r = result.get(mode)
+        if r is None:
+            continue
+        med = {k: v["median"] for k, v in r.items() if isinstance(v, dict) and "median" in v}
+        out.append({"mode": mode, "n": result["n"], "size": result["size"], "tokens": result["tokens"],
+                    "step_ms": 1e3 * med["step_s"], "untimed_ms": 1e3 * med["untimed_s"],
+                    "plan_ms": 1e3 * med["plan_s"], "plan_cpu_ms": 1e3 * med["plan_cpu_s"],
+                    "excluded_ms": 1e3 * med["excluded_s"], "share": med["share"],
+                    "share_p25": r["share"]["p25"], "share_p75": r["share"]["p75"], "cpu_share": med["cpu_share"],
+                    "mode_cpu_ms": 1e3 * med["mode_cpu_s"], "mode_share": med["mode_share"],
+                    "total_share": med["total_share"], "calls": r["calls"], "mode_calls": r["mode_calls"],
+                    "per_call_us": r["per_call_us"]})
+    return out
+
+
+def markdown(results: list[dict[str, Any]]) -> str:
+    lines = ["| Wan (layers, heads x dim, tokens) | N | step | step ms (untimed) | hooks ms, wall (CPU) | "
+             "hooks' share, wall [IQR] | hooks' share, CPU | SDPA-level mode ms CPU (ops) | runtime's share, CPU |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for result in results:
+        layers, heads, head_dim = result["size"][:3]
+        for r in rows(result):
+            lines.append(f"| {layers}, {heads} x {head_dim}, {r['tokens']} | {r['n']} | {r['mode']} | "
+                         f"{r['step_ms']:.1f} ({r['untimed_ms']:.1f}) | {r['plan_ms']:.2f} ({r['plan_cpu_ms']:.2f}) | "
+                         f"{100 * r['share']:.1f}% [{100 * r['share_p25']:.1f}-{100 * r['share_p75']:.1f}] | "
+                         f"{100 * r['cpu_share']:.1f}% | {r['mode_cpu_ms']:.2f} ({r['mode_calls']}) | "
+                         f"**{100 * r['total_share']:.1f}%** |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dsp_plugin.bench.wan import QUICK, SIZE
+
+    parser = argparse.ArgumentParser(prog="python -m dsp_plugin.bench.overhead", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2, choices=(2, 4))
+    parser.add_argument("--quick", action="store_true", help=f"only the small Wan {QUICK}")
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds per mode (default 20)")
+    parser.add_argument("--where", action="store_true", help="also rank 0's exclusive CPU time per timed function")
+    parser.add_argument("--size", default=None, metavar="L,H,D,F,HW",
+                        help="one Wan size instead: layers, heads, head dim, latent frames, latent height = width")
+    parser.add_argument("--forward-only", action="store_true", help="only the forward (no training step)")
+    args = parser.parse_args(argv)
+    sizes = [QUICK] if args.quick else [SIZE, QUICK]
+    if args.size is not None:
+        sizes = [tuple(int(v) for v in args.size.split(","))]
+    modes = ("forward",) if args.forward_only else MODES
+    results = [measure(args.nproc, s, rounds=args.rounds, modes=modes) for s in sizes]
+    print(markdown(results))
+    if args.where:
+        for result in results:
+            for mode in modes:
+                print(f"\n{result['size']} {mode}: rank 0's exclusive CPU ms per step, median over the rounds")
+                for label, t in result[mode]["by"].items():
+                    print(f"  {1e3 * t:8.3f}  {label}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,41 @@
+"""The bench's costs section (issue 28) runs and prints its rows: bf16 vs FP8 bytes on the wire, the plan
+runtime's share of a Wan step. Tiny sizes; the compile rows are left out here (a first compiled call takes
+about a minute on 2 CPU cores; ``tests/test_compile_models.py`` checks compiled plan models).
+
+Nothing here reads a time: timings are the bench's output, never a test's pass condition.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dsp_plugin.bench import costs
+from dsp_plugin.bench.__main__ import parse_args
+
+
+def test_costs_section_runs_and_prints_its_rows(tmp_path) -> None:
+    result = costs.run(2, quick=True, rounds=2, models=(), switch=(1, 2, 8, 64), heads=(1, 16, 4, 8),
+                       runtime_size=(1, 2, 8, 2, 4))
+    table = costs.markdown(result)
+    print(table)
+    for op in ("dynamic_switch", "to_heads", "from_heads"):
+        r = result["wire"][op]
+        # FP8: one byte per element instead of bf16's two, plus a float32 scale per chunk sent (N - 1 = 1 here)
+        chunks = {"dynamic_switch": 1, "to_heads": 3, "from_heads": 1}[op]
+        assert r["fp8_bytes"] == r["bf16_bytes"] // 2 + 4 * chunks, (op, r)
+        assert r["all_to_alls"] == 1, (op, r)
+        assert f"| {op}: bf16 (A) vs FP8 (B)" in table
+    assert [r["mode"] for r in result["runtime"]] == ["forward", "train"]
+    for r in result["runtime"]:
+        assert r["calls"] > 0 and r["mode_calls"] > 0, r     # the hooks ran, and ops went through the mode
+        assert 0 < r["plan_cpu_ms"] and r["total_share"] > 0, r
+    assert table.count("plan runtime's share of a Wan") == 2
+    written = costs.write(result, tmp_path)
+    assert all(p.stat().st_size > 0 for p in written)
+
+
+def test_costs_only_excludes_the_other_sections() -> None:
+    assert parse_args(["--costs-only", "--quick"]).costs_only
+    for other in ("--wan-only", "--scale-only", "--no-costs"):
+        with pytest.raises(SystemExit):
+            parse_args(["--costs-only", other])
