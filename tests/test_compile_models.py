@@ -1,5 +1,6 @@
-"""torch.compile of plan-parallelized tiny models (issue 28 item 1): the reference STDiT (switches) and the
-tiny Wan (the head switch at diffusers' dispatch) on 2 gloo ranks.
+"""torch.compile of plan-parallelized tiny models (issue 28 item 1): the reference STDiT (switches), the
+tiny Wan (the head switch at diffusers' dispatch) and the tiny Latte (switches between its spatial and
+temporal blocks, the cross-attention's text replicated) on 2 gloo ranks.
 
 ``torch._dynamo.explain`` counts the graphs: every collective of the forward (the plan's splits,
 switches, head switches and gathers, and the hooks around them) lands in ONE graph; the one graph break
@@ -31,8 +32,12 @@ def _model(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], dict[s
         return (STDiT(STDiTConfig.preset("tiny", axes=2)),
                 (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 3, 16, generator=g)),
                 {})
-    from dsp_plugin.testing.tiny import tiny_wan
+    from dsp_plugin.testing.tiny import tiny_latte, tiny_wan
 
+    if name == "latte":
+        return (tiny_latte(frames=5, layers=2, heads=3, head_dim=4, sample_size=6),
+                (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 7, 16, generator=g)),
+                {"return_dict": False})
     return (tiny_wan(layers=2, heads=3, head_dim=8),
             (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 7, 16, generator=g)),
             {"return_dict": False})
@@ -72,7 +77,7 @@ def _worker(rank: int, n: int, name: str, dynamic: bool) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-@pytest.mark.parametrize("name", ["stdit", "wan"])
+@pytest.mark.parametrize("name", ["stdit", "wan", "latte"])
 def test_compiled_plan_model_equals_eager(name: str, dynamic: bool) -> None:
     for rank, d in enumerate(run_distributed(_worker, 2, name, dynamic, timeout=900)):
         print(f"{name} dynamic={dynamic} rank {rank}: {d}")
