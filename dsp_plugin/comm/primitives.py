@@ -67,9 +67,13 @@ def sharded_calls() -> int:
 
 def count_sharded_call() -> None:
     """Record that a shard was made outside ``split``/``dynamic_switch`` (a plan's partial split): what the
-    DeepSpeed guard reads through :func:`sharded_calls` to tell a DSP model from one that never shards."""
+    DeepSpeed guard reads through :func:`sharded_calls` to tell a DSP model from one that never shards.
+
+    Not counted while ``torch.compile`` traces (as the primitives' traced path counts nothing): dynamo would
+    guard the compiled graph on the counter's value and recompile it at every step, then fall back to eager."""
     global _sharded_calls
-    _sharded_calls += 1
+    if not torch.compiler.is_compiling():
+        _sharded_calls += 1
 
 
 
