@@ -135,8 +135,13 @@ def traced_switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dis
       out          = recv blocks concatenated along cur
     """
     tgt_sizes, cur_sizes = chunk_sizes(x.shape[tgt], n), chunk_sizes(cur_full, n)
-    blocks = [x.narrow(tgt, start, size).reshape(-1) for start, size in zip(offsets(tgt_sizes), tgt_sizes)]
-    send = torch.cat(blocks)
+    # each block a row [1, numel], joined along dim 1: a block of shape (0,) would be one of ``cat``'s legacy
+    # empty inputs, whose gradient is a fresh zeros(0) cut off from the output's; on a rank whose blocks are
+    # all empty the reverse all-to-all then feeds no gradient, AOTAutograd's partitioner leaves it out of the
+    # backward graph, and that rank skips a collective its peers make (gloo: "Received data size doesn't
+    # match expected size")
+    blocks = [x.narrow(tgt, start, size).reshape(1, -1) for start, size in zip(offsets(tgt_sizes), tgt_sizes)]
+    send = torch.cat(blocks, dim=1).reshape(-1)
     block_shape = list(x.shape)
     block_shape[tgt] = tgt_sizes[rank]
     per_cur_row = math.prod([s for d, s in enumerate(block_shape) if d != cur])  # a list: dynamo traces it

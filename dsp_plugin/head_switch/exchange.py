@@ -174,7 +174,8 @@ def _exchange_blocks(blocks: list[list[torch.Tensor]], recv_shapes: list[list[li
                              "switch sends FP8 in eager only so far (dynamic_switch's FP8 payload compiles)")
         return payload.exchange(blocks, recv_shapes, ex.formats, ex.group, ex.rank)
     if torch.compiler.is_compiling():  # traced: torch ops around a functional all-to-all (comm/traced.py)
-        send = torch.cat([block.reshape(-1) for row in blocks for block in row])
+        # rows [1, numel] joined along dim 1, not flat blocks: see traced.traced_switch (an empty block's gradient)
+        send = torch.cat([block.reshape(1, -1) for row in blocks for block in row], dim=1).reshape(-1)
         recv_splits = [sum([math.prod(shape) for shape in row]) for row in recv_shapes]
         recv = collectives.traced_all_to_all(send, send_splits=[sum([b.numel() for b in row]) for row in blocks],
                                              recv_splits=recv_splits, group=ex.group)
