@@ -20,7 +20,8 @@ __all__ = ["chunk_sizes", "join_blocks", "offsets", "split_blocks"]
 
 def chunk_sizes(length: int, parts: int) -> list[int]:
     """Sizes of ``torch.tensor_split(range(length), parts)``: the first ``length % parts`` get one more."""
-    base, extra = divmod(length, parts)
+    base = length // parts
+    extra = length - base * parts  # not divmod: dynamo does not trace it on a symbolic length (dynamic=True)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
 

@@ -147,6 +147,15 @@ def traced_all_to_all(send: torch.Tensor, *, send_splits: list[int], recv_splits
     return funcol.all_to_all_single_autograd(send, recv_splits, send_splits, group)
 
 
+def traced_all_to_all_bytes(send: torch.Tensor, *, send_splits: list[int], recv_splits: list[int],
+                            group: dist.ProcessGroup) -> torch.Tensor:
+    """``all_to_all_single`` of a flat buffer without autograd (the FP8 payload's ``uint8`` bytes: its caller,
+    ``traced.traced_wire_switch``, routes the gradient through the reverse switch itself)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.wait_tensor(funcol.all_to_all_single(send, recv_splits, send_splits, group))
+
+
 def traced_all_gather(send: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
     """``all_gather_tensor`` along dim 0, without autograd (the caller routes the gradient itself)."""
     from torch.distributed import _functional_collectives as funcol

@@ -185,7 +185,11 @@ def exchange(rows: Sequence[Sequence[torch.Tensor]], recv_shapes: Sequence[Seque
     itemsize = torch.empty((), dtype=dtype).element_size()
     send, send_splits = encode(rows, formats, skip=rank)
     recv_splits = [0 if i == rank else wire_bytes(row, formats, itemsize) for i, row in enumerate(recv_shapes)]
-    recv = collectives._all_to_all_flat(send, send_splits, recv_splits, group)
+    if torch.compiler.is_compiling():  # traced: the functional all-to-all of the same bytes (comm/traced.py)
+        recv = collectives.traced_all_to_all_bytes(send, send_splits=send_splits, recv_splits=recv_splits,
+                                                   group=group)
+    else:
+        recv = collectives._all_to_all_flat(send, send_splits, recv_splits, group)
     received = decode(recv, recv_shapes, formats, dtype, skip=rank)
     received[rank] = [chunk.reshape(shape) for chunk, shape in zip(rows[rank], recv_shapes[rank])]
     return received  # type: ignore[return-value]

@@ -67,9 +67,13 @@ def sharded_calls() -> int:
 
 def count_sharded_call() -> None:
     """Record that a shard was made outside ``split``/``dynamic_switch`` (a plan's partial split): what the
-    DeepSpeed guard reads through :func:`sharded_calls` to tell a DSP model from one that never shards."""
+    DeepSpeed guard reads through :func:`sharded_calls` to tell a DSP model from one that never shards.
+
+    Not counted while ``torch.compile`` traces (as the primitives' traced path counts nothing): dynamo would
+    guard the compiled graph on the counter's value and recompile it at every step, then fall back to eager."""
     global _sharded_calls
-    _sharded_calls += 1
+    if not torch.compiler.is_compiling():
+        _sharded_calls += 1
 
 
 
@@ -314,14 +318,18 @@ def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
     """
     if torch.compiler.is_compiling():
         group, n, rank = _member("dynamic_switch", group)
-        if comm_dtype is not None:
-            raise ValueError(f"dynamic_switch: comm_dtype={comm_dtype!r} under torch.compile; the FP8 payload "
-                             f"runs in eager only so far (expected comm_dtype=None in a compiled region)")
+        wire = payload.as_payload("dynamic_switch", comm_dtype)
         cur = _normalize_dim("dynamic_switch", "cur_shard", cur_shard, x.dim())
         tgt = _normalize_dim("dynamic_switch", "tgt_shard", tgt_shard, x.dim())
         if n == 1:
             return x
-        return traced.traced_switch(x, cur, tgt, _traced_len("dynamic_switch", global_len), group, n, rank)
+        full = _traced_len("dynamic_switch", global_len)
+        if wire is not None:
+            if not x.is_floating_point():
+                raise ValueError(f"dynamic_switch: comm_dtype={comm_dtype!r} on a {x.dtype} tensor; expected a "
+                                 f"floating-point activation")
+            return traced.traced_wire_switch(x, cur, tgt, full, group, n, rank, wire)
+        return traced.traced_switch(x, cur, tgt, full, group, n, rank)
 
     def options(x: torch.Tensor) -> tuple[int | None, payload.Payload | None]:
         wire = payload.as_payload("dynamic_switch", comm_dtype)

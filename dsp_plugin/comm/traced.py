@@ -16,6 +16,8 @@ primitive       forward                              backward (the project's adj
 split           this rank's chunk (no collective)    all_gather of the gradient chunks
 gather          all_gather                           this rank's chunk (no collective)
 dynamic_switch  all_to_all_single_autograd           the reverse all-to-all (funcol's autograd)
+(comm_dtype)    encode, all_to_all_single of bytes,  the reverse switch, in the gradient's format
+                decode (``payload``)                 (``_TracedWireSwitch``)
 ==============  ===================================  ==========================================
 
 Values are those of the eager path bit for bit (pure data movement, the same blocks).
@@ -31,7 +33,7 @@ import torch.distributed as dist
 from dsp_plugin.comm import collectives
 from dsp_plugin.packing import offsets
 
-__all__ = ["traced_gather", "traced_split", "traced_switch"]
+__all__ = ["traced_gather", "traced_split", "traced_switch", "traced_wire_switch"]
 
 
 def chunk_sizes(length: int, parts: int) -> list[int]:
@@ -82,6 +84,48 @@ def traced_gather(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup
                                                                    full - start - sizes[rank])], dim=dim)
 
 
+class _TracedWireSwitch(torch.autograd.Function):
+    """The switch with its blocks sent in a wire format (``payload``: FP8 and a scale per block) under compile:
+    the eager ``_switch``'s encode, one functional all-to-all of the ``uint8`` bytes and its decode; backward:
+    the reverse switch of the gradient in the payload's gradient format, as the eager ``_Switch``'s."""
+
+    @staticmethod
+    def forward(ctx, x, cur, tgt, cur_full, group, n, rank, wire):  # type: ignore[override]
+        ctx.cur, ctx.tgt, ctx.tgt_full, ctx.group, ctx.n, ctx.rank, ctx.wire = cur, tgt, x.shape[tgt], group, n, \
+            rank, wire
+        return _wire_switch(x, cur, tgt, cur_full, group, n, rank, wire.forward)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return (_wire_switch(grad, ctx.tgt, ctx.cur, ctx.tgt_full, ctx.group, ctx.n, ctx.rank, ctx.wire.grad),
+                None, None, None, None, None, None, None)
+
+
+def _wire_switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.ProcessGroup, n: int, rank: int,
+                 fmt: torch.dtype) -> torch.Tensor:
+    """S(cur) -> S(tgt), the blocks of ``traced_switch`` sent as ``payload.exchange`` sends them (no autograd)."""
+    from dsp_plugin.comm import payload
+
+    tgt_sizes, cur_sizes = chunk_sizes(x.shape[tgt], n), chunk_sizes(cur_full, n)
+    rows = [[x.narrow(tgt, start, size).reshape(-1)] for start, size in zip(offsets(tgt_sizes), tgt_sizes)]
+    block_shape = list(x.shape)
+    block_shape[tgt] = tgt_sizes[rank]
+    per_cur_row = math.prod([s for d, s in enumerate(block_shape) if d != cur])
+    received = payload.exchange(rows, [[(per_cur_row * c,)] for c in cur_sizes], [fmt], group, rank)
+    parts = []
+    for row, c in zip(received, cur_sizes):
+        shape = list(block_shape)
+        shape[cur] = c
+        parts.append(row[0].view(shape))
+    return torch.cat(parts, dim=cur)
+
+
+def traced_wire_switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.ProcessGroup, n: int,
+                       rank: int, wire: object) -> torch.Tensor:
+    """``traced_switch`` with ``comm_dtype`` (a ``payload.Payload``): the eager FP8 switch's values bit for bit."""
+    return _TracedWireSwitch.apply(x, cur, tgt, cur_full, group, n, rank, wire)
+
+
 def traced_switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.ProcessGroup, n: int,
                   rank: int) -> torch.Tensor:
     """S(cur) -> S(tgt) with one functional all-to-all; the blocks of ``primitives._switch``.
@@ -91,8 +135,13 @@ def traced_switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dis
       out          = recv blocks concatenated along cur
     """
     tgt_sizes, cur_sizes = chunk_sizes(x.shape[tgt], n), chunk_sizes(cur_full, n)
-    blocks = [x.narrow(tgt, start, size).reshape(-1) for start, size in zip(offsets(tgt_sizes), tgt_sizes)]
-    send = torch.cat(blocks)
+    # each block a row [1, numel], joined along dim 1: a block of shape (0,) would be one of ``cat``'s legacy
+    # empty inputs, whose gradient is a fresh zeros(0) cut off from the output's; on a rank whose blocks are
+    # all empty the reverse all-to-all then feeds no gradient, AOTAutograd's partitioner leaves it out of the
+    # backward graph, and that rank skips a collective its peers make (gloo: "Received data size doesn't
+    # match expected size")
+    blocks = [x.narrow(tgt, start, size).reshape(1, -1) for start, size in zip(offsets(tgt_sizes), tgt_sizes)]
+    send = torch.cat(blocks, dim=1).reshape(-1)
     block_shape = list(x.shape)
     block_shape[tgt] = tgt_sizes[rank]
     per_cur_row = math.prod([s for d, s in enumerate(block_shape) if d != cur])  # a list: dynamo traces it

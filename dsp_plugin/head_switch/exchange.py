@@ -169,9 +169,13 @@ def _exchange_blocks(blocks: list[list[torch.Tensor]], recv_shapes: list[list[li
     With ``ex.formats`` (FP8 for some tensors), the buffer is ``payload``'s bytes, one scale per chunk.
     """
     if any(f is not None for f in ex.formats):
+        if torch.compiler.is_compiling():  # the traced head switch's gradient is funcol's autograd: not of bytes
+            raise ValueError("to_heads/from_heads: comm_dtype (an FP8 payload) under torch.compile; the head "
+                             "switch sends FP8 in eager only so far (dynamic_switch's FP8 payload compiles)")
         return payload.exchange(blocks, recv_shapes, ex.formats, ex.group, ex.rank)
     if torch.compiler.is_compiling():  # traced: torch ops around a functional all-to-all (comm/traced.py)
-        send = torch.cat([block.reshape(-1) for row in blocks for block in row])
+        # rows [1, numel] joined along dim 1, not flat blocks: see traced.traced_switch (an empty block's gradient)
+        send = torch.cat([block.reshape(1, -1) for row in blocks for block in row], dim=1).reshape(-1)
         recv_splits = [sum([math.prod(shape) for shape in row]) for row in recv_shapes]
         recv = collectives.traced_all_to_all(send, send_splits=[sum([b.numel() for b in row]) for row in blocks],
                                              recv_splits=recv_splits, group=ex.group)
