@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -50,14 +51,19 @@ def test_sample_out_is_checked_before_sampling_on_every_rank(tmp_path: Path) -> 
                                           "check before the work, so every rank stops here: OutputPathError: --out")
 
 
-def test_train_dsp_and_deepspeed_outputs_are_checked_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_dsp_and_deepspeed_outputs_are_checked_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture) -> None:
     from dsp_plugin.launch import train_dsp
     from dsp_plugin.launch.paths import OutputPathError
 
     bad = _blocked(tmp_path) / "losses.json"
     monkeypatch.setattr(sys, "argv", ["train_dsp", "--steps", "1", "--out", str(bad)])
-    with pytest.raises(OutputPathError, match="--out .* cannot be written"):
+    with pytest.raises(SystemExit) as info:          # an argument error: one line, argparse's status
         train_dsp.main()
+    assert info.value.code == 2
+    assert re.search(r"dsp_plugin\.launch\.train_dsp: error: --out .* cannot be written", capsys.readouterr().err)
+    with pytest.raises(OutputPathError, match="--out .* cannot be written"):    # the check itself
+        train_dsp.preflight(train_dsp.parse_args(), 1)
     monkeypatch.setenv("WORLD_SIZE", "2")
     from tests.test_reliability_launch import _preflight_error
 
@@ -74,8 +80,9 @@ def test_megatron_save_is_checked_before_training(tmp_path: Path) -> None:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     text = done.stdout + done.stderr
     assert done.returncode != 0
-    # every rank checks before pretrain(); torchrun (its error files, launch_main) names the first failure
-    assert "Root Cause (first observed failure)" in text and "OutputPathError: --save" in text, text[-3000:]
+    # every rank checks before pretrain(), one line each; torchrun (its error files) names the first failure
+    assert "Root Cause (first observed failure)" in text, text[-3000:]
+    assert "dsp_plugin.launch.pretrain_stdit: error: --save" in text and "cannot be written" in text, text[-3000:]
     assert " iteration " not in done.stdout
 
 
