@@ -31,16 +31,9 @@ import torch
 import torch.distributed as dist
 
 from dsp_plugin.comm import collectives
-from dsp_plugin.packing import offsets
+from dsp_plugin.packing import chunk_sizes, offsets  # chunk_sizes traces on a symbolic length
 
 __all__ = ["traced_gather", "traced_split", "traced_switch", "traced_wire_switch"]
-
-
-def chunk_sizes(length: int, parts: int) -> list[int]:
-    """``packing.chunk_sizes`` without ``divmod`` (dynamo does not trace it on a symbolic length)."""
-    base = length // parts
-    extra = length - base * parts
-    return [base + 1 if i < extra else base for i in range(parts)]
 
 
 def _gathered(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup, n: int) -> torch.Tensor:
