@@ -42,23 +42,9 @@ OURS = os.sep + "dsp_plugin" + os.sep
 
 
 def _model(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], dict[str, object]]:
-    g = torch.Generator().manual_seed(1)
-    if name == "stdit":
-        from dsp_plugin.models.stdit import STDiT, STDiTConfig
+    from dsp_plugin.testing.tiny import compile_case
 
-        torch.manual_seed(0)
-        return (STDiT(STDiTConfig.preset("tiny", axes=2)),
-                (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 3, 16, generator=g)),
-                {})
-    from dsp_plugin.testing.tiny import tiny_latte, tiny_wan
-
-    if name == "latte":
-        return (tiny_latte(frames=5, layers=2, heads=3, head_dim=4, sample_size=6),
-                (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 7, 16, generator=g)),
-                {"return_dict": False})
-    return (tiny_wan(layers=2, heads=3, head_dim=8),
-            (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 7, 16, generator=g)),
-            {"return_dict": False})
+    return compile_case(name)
 
 
 def _step(model: torch.nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, object]

@@ -51,20 +51,10 @@ HEADS_QUICK = (1, 512, 16, 64)
 
 
 def _compile_model(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], dict[str, Any]]:
-    """The models and inputs of ``tests/test_compile_models.py``."""
-    g = torch.Generator().manual_seed(1)
-    if name == "stdit":
-        from dsp_plugin.models.stdit import STDiT, STDiTConfig
+    """The models and inputs of ``tests/test_compile_models.py`` (``testing.tiny.compile_case``)."""
+    from dsp_plugin.testing.tiny import compile_case
 
-        torch.manual_seed(0)
-        return (STDiT(STDiTConfig.preset("tiny", axes=2)),
-                (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 3, 16, generator=g)),
-                {})
-    from dsp_plugin.testing.tiny import tiny_wan
-
-    return (tiny_wan(layers=2, heads=3, head_dim=8),
-            (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 7, 16, generator=g)),
-            {"return_dict": False})
+    return compile_case(name)
 
 
 def _compile_worker(rank: int, n: int, names: tuple[str, ...], rounds: int) -> dict[str, Any]:

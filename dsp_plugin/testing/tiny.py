@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["tiny_latte", "tiny_latte_pipeline", "tiny_prompt_embeds", "tiny_spatiotemporal", "tiny_wan",
-           "tiny_wan_pipeline"]
+__all__ = ["compile_case", "tiny_latte", "tiny_latte_pipeline", "tiny_prompt_embeds", "tiny_spatiotemporal",
+           "tiny_wan", "tiny_wan_pipeline"]
 
 CAPTION_CHANNELS = 16
 
@@ -122,3 +122,23 @@ def tiny_wan_pipeline(*, layers: int = 2, seed: int = 0, two_stage: bool = False
                        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                                          flow_shift=3.0),
                        transformer_2=second, boundary_ratio=0.8 if two_stage else None)
+
+
+def compile_case(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], dict[str, Any]]:
+    """(model, args, kwargs) of the compile checks and the bench's compile rows: the reference STDiT
+    (``"stdit"``), the tiny Wan (``"wan"``) or the tiny Latte (``"latte"``) on 2 samples of 5 frames 6x6."""
+    g = torch.Generator().manual_seed(1)
+    if name == "stdit":
+        from dsp_plugin.models.stdit import STDiT, STDiTConfig
+
+        torch.manual_seed(0)
+        return (STDiT(STDiTConfig.preset("tiny", axes=2)),
+                (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 3, 16, generator=g)),
+                {})
+    if name == "latte":
+        return (tiny_latte(frames=5, layers=2, heads=3, head_dim=4, sample_size=6),
+                (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 7, 16, generator=g)),
+                {"return_dict": False})
+    return (tiny_wan(layers=2, heads=3, head_dim=8),
+            (torch.randn(2, 4, 5, 6, 6, generator=g), torch.tensor([3, 500]), torch.randn(2, 7, 16, generator=g)),
+            {"return_dict": False})
