@@ -2,11 +2,16 @@
 compiles to ONE graph (``fullgraph=True``: no break), ``dynamic=False`` and ``dynamic=True``, and its outputs
 and gradients are the eager path's bit for bit, with ``comm_dtype="fp8"`` too (the FP8 payload's encode, one
 functional all-to-all of its ``uint8`` bytes and its decode, forward and backward). The traced path's
-functional collectives are what the accounting counts, with the eager path's bytes. (Host syncs in compiled
-models: ``tests/test_compile_models.py``.)
+functional collectives are what the accounting counts, with the eager path's bytes. The head switch with the
+FP8 payload likewise (issue 28, item 1's leftover): ``to_heads`` (GQA, K kept exact, joint text replicated)
+and ``from_heads`` (the text's output in the same all-to-all) compile to one graph whose four ``uint8``
+all-to-alls (forward and backward) send eager's bytes, outputs and gradients eager's bit for bit, no host
+sync. (Host syncs in compiled models: ``tests/test_compile_models.py``.)
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -81,3 +86,85 @@ def test_compiled_primitives_one_graph_equal_eager(dynamic: bool) -> None:
         assert d["fp8_out"] and d["fp8_grad"] and d["fp8_is_lossy"], d   # compiled FP8 == eager FP8, bit for bit
         assert d["functional"] == d["c10d"] and len(d["c10d"]) == 2, d
         assert d["functional_sources"] == ["_c10d_functional.all_to_all_single"], d
+
+
+def _heads_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_t: torch.Tensor, k_t: torch.Tensor,
+               v_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from dsp_plugin.comm import split
+    from dsp_plugin.head_switch import from_heads, to_heads
+
+    local = [split(t, 1) for t in (q, k, v)]                             # 7 tokens: uneven on 2 ranks
+    hq, hk, hv, tq, tk, tv = to_heads(*local, seq_dim=1, head_dim=2, global_len=q.shape[1], comm_dtype="fp8",
+                                      exact=("k",), replicated=(q_t, k_t, v_t))   # q, v in FP8, K in bf16
+    return from_heads(hq * hk + hv, seq_dim=1, head_dim=2, heads=q.shape[2], global_len=q.shape[1],
+                      replicated=tq * tk + tv, comm_dtype="fp8")          # out and the text's out in FP8
+
+
+def _heads_worker(rank: int, n: int, dynamic: bool) -> dict[str, object]:
+    import torch._dynamo as dynamo
+    from torch._dynamo.backends.debugging import ExplainWithBackend
+
+    from dsp_plugin.accounting import CommAccounting
+    from tests.test_compile_models import HostSyncs
+
+    g = torch.Generator().manual_seed(0)
+    # q [B, S, H, D], GQA k/v with 2 of 4 heads, K on another scale; 2 joint-text tokens on every rank
+    shapes = [(2, 7, 4, 3), (2, 7, 2, 3), (2, 7, 2, 3), (2, 2, 4, 3), (2, 2, 2, 3), (2, 2, 2, 3)]
+    xs = [torch.randn(*shape, generator=g).to(torch.bfloat16) for shape in shapes]
+    xs[1] = xs[1] * 100
+
+    def step(fn, counted: bool = False):  # type: ignore[no-untyped-def]
+        ins = [x.clone().requires_grad_(True) for x in xs]
+        acct = CommAccounting(activations=False)
+        with acct if counted else contextlib.nullcontext():   # eager only: a dispatch mode makes dynamo skip frames
+            out, out_t = fn(*ins)
+            (out.float().square().sum() + out_t.float().square().sum()).backward()
+        sent = [(r.phase, r.bytes_sent) for r in acct.records if r.op == "all_to_all"] if counted else []
+        return [out.detach(), out_t.detach(), *(t.grad for t in ins)], sent
+
+    eager, eager_sent = step(_heads_fp8, counted=True)
+    plain, _ = step(_plain)
+    explained = None
+    if not dynamic:  # without fullgraph and without a gradient (inference: no autograd Function) no break either
+        with torch.no_grad():
+            explained = dynamo.explain(_heads_fp8)(*xs)
+        dynamo.reset()
+    explain = ExplainWithBackend("aot_eager")
+    compiled_fn = torch.compile(_heads_fp8, backend=explain, fullgraph=True, dynamic=dynamic)
+    step(compiled_fn)
+    with HostSyncs() as syncs:
+        compiled, _ = step(compiled_fn)
+    graphs = explain.output().graphs
+    # the all-to-alls are inside the autograd Function's forward and backward bodies (subgraphs)
+    sent = [[str(s) for s in node.args[2]] + [str(node.args[0].meta["example_value"].dtype)]
+            for graph in graphs for module in graph.modules() if isinstance(module, torch.fx.GraphModule)
+            for node in module.graph.nodes if "all_to_all_single" in str(node.target)]
+    return {"graphs": len(graphs), "explain": explained and (explained.graph_count, explained.graph_break_count),
+            "equal": [bool(torch.equal(a, b)) for a, b in zip(compiled, eager)],
+            "lossy": not all(torch.equal(a, b) for a, b in zip(eager[:2], plain[:2])),
+            "host_syncs": syncs.count, "compiled_sent": sent, "eager_sent": eager_sent}
+
+
+def _plain(*ts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_heads_fp8`` without the payload: the FP8 one must differ from it."""
+    from dsp_plugin.comm import split
+    from dsp_plugin.head_switch import from_heads, to_heads
+
+    q, k, v, q_t, k_t, v_t = ts
+    hq, hk, hv, tq, tk, tv = to_heads(*(split(t, 1) for t in (q, k, v)), seq_dim=1, head_dim=2,
+                                      global_len=q.shape[1], replicated=(q_t, k_t, v_t))
+    return from_heads(hq * hk + hv, seq_dim=1, head_dim=2, heads=q.shape[2], replicated=tq * tk + tv)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_fp8_head_switch_equals_eager(dynamic: bool) -> None:
+    for rank, d in enumerate(run_distributed(_heads_worker, 2, dynamic, timeout=600)):
+        print(f"dynamic={dynamic} rank {rank}: {d}")
+        assert d["graphs"] == 1 and d["explain"] in ((1, 0), None), d     # fullgraph; no break without it either
+        assert all(d["equal"]) and len(d["equal"]) == 8 and d["lossy"], d   # out, text out, 6 input gradients
+        assert d["host_syncs"] == 0, d
+        # to_heads, from_heads forward; their adjoints backward: 4 all-to-alls of uint8, each eager's bytes
+        assert [c[-1] for c in d["compiled_sent"]] == ["torch.uint8"] * 4, d
+        if not dynamic:   # dynamic=True: the split sizes are symbols
+            assert sorted(sum(int(s) for s in c[:-1]) for c in d["compiled_sent"]) == \
+                sorted(b for _, b in d["eager_sent"]), d

@@ -95,20 +95,27 @@ def _reads_value(node: torch.fx.Node) -> bool:
     return node.target in ("item", "tolist", torch.ops.aten._local_scalar_dense.default, torch.Tensor.item)
 
 
+def _nodes(graph: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """A graph's nodes, those of its subgraphs included (an autograd Function's forward and backward bodies,
+    where the FP8 payload's all-to-alls are: ``head_switch.exchange._TracedWire``, ``comm.traced``)."""
+    return [n for m in graph.modules() if isinstance(m, torch.fx.GraphModule) for n in m.graph.nodes]
+
+
 def _reason(b: object) -> dict[str, object]:
     stack = [f"{f.filename}:{f.lineno} {f.name}" for f in b.user_stack]
     return {"reason": str(b.reason)[:200], "stack": stack[-4:], "ours": [s for s in stack if OURS in s]}
 
 
 def _compiled(base: torch.nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, object], dynamic: bool,
-              whole: bool, eager: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]) -> dict[str, object]:
+              whole: bool, eager: tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]],
+              comm_dtype: object = None) -> dict[str, object]:
     import torch._dynamo as dynamo
     from torch._dynamo.backends.debugging import ExplainWithBackend
 
     import dsp_plugin
 
     dynamo.reset()
-    model = dsp_plugin.parallelize(copy.deepcopy(base))
+    model = dsp_plugin.parallelize(copy.deepcopy(base), comm_dtype=comm_dtype)
     _step(model, args, kwargs)   # the first call's cross-rank checks run eagerly (a compiled call skips them)
     explain = ExplainWithBackend("aot_eager")
     with dynamo.config.patch(wrap_top_frame=whole):
@@ -121,19 +128,23 @@ def _compiled(base: torch.nn.Module, args: tuple[torch.Tensor, ...], kwargs: dic
     e_out, e_dx, e_grads = eager
     return {"graphs": explained.graph_count, "breaks": explained.graph_break_count,
             "reasons": [_reason(b) for b in explained.break_reasons], "recompiled": len(explain.graphs) - traced,
-            "collectives": [sorted({str(n.target) for n in g.graph.nodes
-                                    if any(c in str(n.target) for c in COLLECTIVE)}) for g in explained.graphs],
+            "collectives": [sorted({str(n.target) for n in _nodes(g) if any(c in str(n.target) for c in COLLECTIVE)})
+                            for g in explained.graphs],
             "host_syncs": syncs.count,
-            "traced_syncs": sum(_reads_value(n) for g in explained.graphs for n in g.graph.nodes),
+            "traced_syncs": sum(_reads_value(n) for g in explained.graphs for n in _nodes(g)),
             "out": (out - e_out).abs().max().item(), "dx": (dx - e_dx).abs().max().item(),
             "grads": max((a - b).abs().max().item() for a, b in zip(grads, e_grads) if a is not None)}
 
 
-def _worker(rank: int, n: int, name: str, dynamic: bool) -> dict[str, object]:
+def _worker(rank: int, n: int, name: str, dynamic: bool, comm_dtype: object = None) -> dict[str, object]:
     import dsp_plugin
 
     base, args, kwargs = _model(name)
-    eager = _step(dsp_plugin.parallelize(copy.deepcopy(base)), args, kwargs)
+    eager = _step(dsp_plugin.parallelize(copy.deepcopy(base), comm_dtype=comm_dtype), args, kwargs)
+    if comm_dtype is not None:  # one mode: the payload's path is the same in both
+        plain = _step(dsp_plugin.parallelize(copy.deepcopy(base)), args, kwargs)
+        return {"module": {**_compiled(base, args, kwargs, dynamic, False, eager, comm_dtype),
+                           "fp8_vs_plain": (eager[0] - plain[0]).abs().max().item()}}
     modes = ("module",) if dynamic else ("module", "whole")   # whole with dynamic=True: 2 graphs (see above)
     return {mode: _compiled(base, args, kwargs, dynamic, mode == "whole", eager) for mode in modes}
 
@@ -158,3 +169,19 @@ def test_compiled_plan_model_equals_eager(name: str, dynamic: bool) -> None:
             else:  # the model's own hooks are frames of their own: no break reason, the post-hook's graph
                 # beside the forward's (dynamic=True: 3 graphs for the STDiT, 4 for Wan and Latte, no reason)
                 assert (dynamic or d["graphs"] == 2) and not d["reasons"], d
+
+
+def test_compiled_fp8_head_switch_model_equals_eager() -> None:
+    """The tiny Wan with ``comm_dtype="fp8"``: its head switches (``Heads``) and switches take the FP8 payload
+    compiled as in eager: outputs and gradients equal the eager FP8 model's (measured: 0.0), which differ from
+    the bf16-wire model's (the payload is in use), one graph holding every collective, no host sync."""
+    for rank, result in enumerate(run_distributed(_worker, 2, "wan", False, "fp8", timeout=900)):
+        d = result["module"]
+        print(f"wan fp8 rank {rank}: graphs {d['graphs']}, breaks {d['breaks']}, reasons {d['reasons']}, "
+              f"collectives per graph {d['collectives']}, host syncs {d['host_syncs']}, recompiled {d['recompiled']}, "
+              f"max |compiled - eager| out {d['out']} dx {d['dx']} grads {d['grads']}, "
+              f"max |fp8 - plain| out {d['fp8_vs_plain']}")
+        assert not any(r["ours"] for r in d["reasons"]) and not d["reasons"], d
+        assert d["host_syncs"] == 0 and d["traced_syncs"] == 0 and d["recompiled"] == 0, d
+        assert d["out"] == d["dx"] == d["grads"] == 0.0 and d["fp8_vs_plain"] > 0, d
+        assert sum(bool(c) for c in d["collectives"]) == 1 and d["graphs"] == 2, d

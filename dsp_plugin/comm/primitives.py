@@ -61,18 +61,32 @@ _sharded_calls = 0
 
 
 def sharded_calls() -> int:
-    """Number of ``split``/``dynamic_switch`` calls so far on a group of size > 1 (in this process)."""
+    """Number of ``split``/``dynamic_switch`` calls so far on a group of size > 1 (in this process).
+
+    Eager calls each count; under ``torch.compile`` a call counts when dynamo traces it (once per compiled
+    graph, whatever the graph's later runs): a compiled model's first forward traces, so the DeepSpeed guard
+    sees it shard (``dsp_plugin.deepspeed.guard``)."""
     return _sharded_calls
+
+
+@torch.compiler.assume_constant_result
+def _count_traced() -> int:
+    """The count, made while dynamo traces: dynamo calls this at trace time and puts its result (a constant,
+    unused) in the graph, so the graph neither reads nor guards on the counter (reading the global would
+    guard the graph on its value: a recompile at every step, then eager)."""
+    global _sharded_calls
+    _sharded_calls += 1
+    return 0
 
 
 def count_sharded_call() -> None:
     """Record that a shard was made outside ``split``/``dynamic_switch`` (a plan's partial split): what the
     DeepSpeed guard reads through :func:`sharded_calls` to tell a DSP model from one that never shards.
-
-    Not counted while ``torch.compile`` traces (as the primitives' traced path counts nothing): dynamo would
-    guard the compiled graph on the counter's value and recompile it at every step, then fall back to eager."""
+    While ``torch.compile`` traces, counted once per trace (``_count_traced``)."""
     global _sharded_calls
-    if not torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        _count_traced()
+    else:
         _sharded_calls += 1
 
 
@@ -210,8 +224,10 @@ def split(x: torch.Tensor, tgt_shard: int, *, group: dist.ProcessGroup | None = 
     """
     group, n, rank = _member("split", group)
     if torch.compiler.is_compiling():
-        return x if n == 1 else traced.traced_split(x, _normalize_dim("split", "tgt_shard", tgt_shard, x.dim()),
-                                                    group, n, rank)
+        if n == 1:
+            return x
+        count_sharded_call()
+        return traced.traced_split(x, _normalize_dim("split", "tgt_shard", tgt_shard, x.dim()), group, n, rank)
     error, dim = None, -1
     try:
         x = _check_tensor("split", x)
@@ -323,6 +339,7 @@ def dynamic_switch(x: torch.Tensor, cur_shard: int, tgt_shard: int, *,
         tgt = _normalize_dim("dynamic_switch", "tgt_shard", tgt_shard, x.dim())
         if n == 1:
             return x
+        count_sharded_call()
         full = _traced_len("dynamic_switch", global_len)
         if wire is not None:
             if not x.is_floating_point():

@@ -136,7 +136,12 @@ def install_guard(module: torch.nn.Module, topology: Topology, *, device: Device
             raise DSPGuardError(message)
 
     # first of the model's pre-hooks: a plan that splits the model's own input (a Split on "") must not have
-    # cut it yet, or the ranks' fingerprints of their shards differ although their inputs are the same
-    setattr(module, _HANDLES, [module.register_forward_pre_hook(before, with_kwargs=True, prepend=True),
-                               module.register_forward_hook(after, with_kwargs=True)])
+    # cut it yet, or the ranks' fingerprints of their shards differ although their inputs are the same.
+    # Never traced: ``engine.compile()`` (``module.compile``) compiles the module's ``_call_impl``, hooks
+    # included, and dynamo traced into these (host reads, collectives, the hooks' own removal) then failed the
+    # first forward inside AOTAutograd, DSP-aware model or not; disabled, they run eagerly around the compiled
+    # forward, whose trace counts its shards (``comm.sharded_calls``)
+    setattr(module, _HANDLES, [
+        module.register_forward_pre_hook(torch.compiler.disable(before), with_kwargs=True, prepend=True),
+        module.register_forward_hook(torch.compiler.disable(after), with_kwargs=True)])
     return True

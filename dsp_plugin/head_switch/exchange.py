@@ -168,10 +168,7 @@ def _exchange_blocks(blocks: list[list[torch.Tensor]], recv_shapes: list[list[li
     Pack: one copy per block into a flat send buffer. Unpack: views of the flat receive buffer.
     With ``ex.formats`` (FP8 for some tensors), the buffer is ``payload``'s bytes, one scale per chunk.
     """
-    if any(f is not None for f in ex.formats):
-        if torch.compiler.is_compiling():  # the traced head switch's gradient is funcol's autograd: not of bytes
-            raise ValueError("to_heads/from_heads: comm_dtype (an FP8 payload) under torch.compile; the head "
-                             "switch sends FP8 in eager only so far (dynamic_switch's FP8 payload compiles)")
+    if any(f is not None for f in ex.formats):  # traced too: payload's bytes, no autograd (``_TracedWire``)
         return payload.exchange(blocks, recv_shapes, ex.formats, ex.group, ex.rank)
     if torch.compiler.is_compiling():  # traced: torch ops around a functional all-to-all (comm/traced.py)
         # rows [1, numel] joined along dim 1, not flat blocks: see traced.traced_switch (an empty block's gradient)
@@ -267,6 +264,34 @@ class _FromHeads(torch.autograd.Function):
         return (None, *_ToHeads.apply(ctx.ex.adjoint(), *grads))
 
 
+class _TracedWire(torch.autograd.Function):
+    """The head switch with an FP8 payload under ``torch.compile``: ``_ToHeads``' (``to_heads=True``) or
+    ``_FromHeads``' forward, the payload's bytes through one functional all-to-all without autograd, and as
+    backward the other switch of the gradients in their own wire formats (``ex.adjoint()``), as eager's
+    ``_ToHeads``/``_FromHeads`` send them: the eager FP8 head switch's values bit for bit. (The traced switch
+    without a payload needs none of this: funcol's autograd all-to-all is its own adjoint; a payload's ``uint8``
+    bytes have no gradient.) Its backward is not differentiable again (as ``traced._TracedWireSwitch``)."""
+
+    @staticmethod
+    def forward(ctx, ex, to_heads, *tensors):  # type: ignore[override]
+        ctx.ex, ctx.to_heads = ex, to_heads
+        return _seq_to_heads(tensors, ex) if to_heads else _heads_to_seq(tensors, ex)
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        adjoint = ctx.ex.adjoint()
+        return (None, None, *(_heads_to_seq(grads, adjoint) if ctx.to_heads else _seq_to_heads(grads, adjoint)))
+
+
+def _traced(ex: _Exchange, to_heads: bool, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The traced head switch: funcol's autograd all-to-all, or with a payload ``_TracedWire`` (where a gradient
+    is wanted: without one, dynamo inlines the Function's forward and fails on its ``ctx.ex`` assignment,
+    ``FrozenInstanceError``, which outside ``fullgraph`` is a graph break)."""
+    if any(f is not None for f in ex.formats) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return _TracedWire.apply(ex, to_heads, *tensors)
+    return _seq_to_heads(tensors, ex) if to_heads else _heads_to_seq(tensors, ex)
+
+
 def to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int, head_dim: int,
              group: Any = None, global_len: int | None = None,
              replicated: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, comm_dtype: object = None,
@@ -339,7 +364,7 @@ def _to_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, seq_dim: int
     ex = _Exchange(seq, head, tuple(chunk_sizes(full, n)), (q_ranges, kv_ranges, kv_ranges),
                    (heads, kv_heads, kv_heads), group, n, rank, (), *formats)
     compiling = torch.compiler.is_compiling()
-    outputs = list(_seq_to_heads((q, k, v), ex) if compiling else _ToHeads.apply(ex, q, k, v))
+    outputs = list(_traced(ex, True, q, k, v) if compiling else _ToHeads.apply(ex, q, k, v))
     if replicated is not None:  # this rank's heads of the tokens it holds whole: no communication
         outputs += [t.narrow(head, *r[rank]) for t, r in zip(replicated, ex.ranges)]
     index = _local_kv_index(heads, kv_heads, n, rank)
@@ -405,7 +430,7 @@ def from_heads(out: torch.Tensor, *, seq_dim: int, head_dim: int, group: Any = N
         wire = checks.wire_code(*(f[:1 if replicated is None else 2] for f in formats))
         total = agree._agree("from_heads", out, cur=head, tgt=seq, known_len=known, group=group, n=n, rank=rank,
                             error=error, replicated=count, wire=wire)
-    apply = (lambda ex, *ts: _heads_to_seq(ts, ex)) if torch.compiler.is_compiling() else _FromHeads.apply
+    apply = (lambda ex, *ts: _traced(ex, False, *ts)) if torch.compiler.is_compiling() else _FromHeads.apply
     ranges = tuple(head_ranges(total, n))
     if replicated is None:
         ex = _Exchange(seq, head, tuple(chunk_sizes(out.shape[seq], n)), (ranges,), (total,), group, n, rank, (),
