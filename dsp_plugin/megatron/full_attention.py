@@ -32,7 +32,9 @@ positions before the block).
 
 The core attention learns the global ``(T, S)`` and the sharded dim from its
 ``attention_mask`` argument, which a full layer's self-attention does not otherwise
-use: the layer passes :func:`grid_carrier`, a small CPU tensor ``[T, S, shard_dim]``.
+use: the layer passes :func:`grid_carrier`, an empty CPU tensor whose *shape* is ``[0, T, S, shard_dim]``
+(read from the shape, never from values: no ``.tolist()``, so ``torch.compile`` traces it without a graph
+break or a host read, the lengths being Python ints at trace time).
 It travels wherever Megatron takes q, k and v, also into the checkpoint of selective
 recompute (``--recompute-granularity selective``, ``core_attn``), which re-runs the
 core attention in backward, outside the layer's forward. Under full recompute the
@@ -66,21 +68,24 @@ __all__ = ["DSPFullAttentionLayer", "DSPVideoLayer", "HeadSwitchCoreAttention", 
 
 
 def grid_carrier(grid: tuple[int, int], shard_dim: int) -> torch.Tensor:
-    """``[T, S, shard_dim]`` (int64, CPU): what a full layer hands its core attention in ``attention_mask``.
+    """An empty int64 CPU tensor of shape ``[0, T, S, shard_dim]``: what a full layer hands its core attention in
+    ``attention_mask``.
 
     Data, not a tag or a scope: it survives Megatron's selective-recompute checkpoint (which detaches its
-    inputs and re-runs the core attention in backward) and is read without a device sync.
+    inputs and re-runs the core attention in backward). The lengths are its shape, not its values, so reading
+    them is no host read, and under ``torch.compile`` they are Python ints at trace time (a value carrier's
+    ``.tolist()`` is a graph break: dynamo does not trace a tensor's values into ints).
     """
-    return torch.tensor([grid[0], grid[1], shard_dim], dtype=torch.int64, device="cpu")
+    return torch.empty((0, grid[0], grid[1], shard_dim), dtype=torch.int64, device="cpu")
 
 
 def _read_carrier(carrier: object, where: str) -> tuple[tuple[int, int], int]:
     if (not isinstance(carrier, torch.Tensor) or carrier.device.type != "cpu" or carrier.dtype != torch.int64
-            or carrier.shape != (3,)):
+            or carrier.dim() != 4 or carrier.shape[0] != 0):
         got = (carrier.dtype, carrier.device, tuple(carrier.shape)) if isinstance(carrier, torch.Tensor) else carrier
-        raise ValueError(f"{where}: attention_mask must carry the video grid [T, S, shard_dim] as an int64 CPU tensor "
-                         f"(grid_carrier; DSPFullAttentionLayer passes it), got {got}")
-    frames, patches, shard = carrier.tolist()
+        raise ValueError(f"{where}: attention_mask must carry the video grid as an empty int64 CPU tensor of shape "
+                         f"[0, T, S, shard_dim] (grid_carrier; DSPFullAttentionLayer passes it), got {got}")
+    _, frames, patches, shard = carrier.shape
     return (frames, patches), shard
 
 
