@@ -154,8 +154,11 @@ class _Runtime:
             elif isinstance(spec, Heads):
                 frame = self.frame()
                 io = (frame.io_shard, frame.masks) if frame is not None and frame.sharded_io else None
-                sdpa = self.via_dispatch.get(path, _UNSEEN) is not getattr(module, "processor", None) \
-                    or checks.check_mode() == "always"  # DSP_CHECK=1: watched at every call
+                # the SDPA level (never under torch.compile: enter_heads): unless the module is known to attend
+                # through diffusers' dispatch alone (``_learn``); DSP_CHECK=1: at every call
+                sdpa = not torch.compiler.is_compiling() and (
+                    self.via_dispatch.get(path, _UNSEEN) is not getattr(module, "processor", None)
+                    or checks.check_mode() == "always")
                 enter_heads(path, self.group, spec.joint, comm_dtype=self.comm_dtype, exact=spec.exact, io=io,
                             sdpa=sdpa)
             elif isinstance(spec, Gather) and spec.arg != "out":
