@@ -86,6 +86,12 @@ class HeadsCall:
         self.local, self.full = [a for a, _ in lengths], [b for _, b in lengths]
         self.mine, self.total = math.prod(self.local), math.prod(self.full)
         self.n, self.rank = group_size(group), group_rank(group)
+        # the axes the switch sees: the sharded one unfolded from the others; when it is the outermost and
+        # splits evenly, this rank's tokens are one even block of the folded sequence (the same elements in the
+        # same order), so the folded sequence switches as one axis, without views to unfold and fold it
+        even = axis == 0 and self.full[0] % self.n == 0
+        self.switch_local, self.switch_full, self.switch_axis = \
+            ([self.mine], [self.total], 0) if even else (self.local, self.full, axis)
         # under sharded_io, sharded on the axis the model is fed shards of: the forward's cache of key-padding
         # masks laid out for the global sequence, by the mask's identity (plan/masks.py); None otherwise
         self.io_masks = io_masks
@@ -108,7 +114,8 @@ class HeadsCall:
         from dsp_plugin.head_switch.exchange import _to_heads, from_heads, head_ranges
 
         call, self.attended = self.attended, self.attended + 1
-        heads, local, full, mine, total = q.shape[head], self.local, self.full, self.mine, self.total
+        heads, mine, total, axis = q.shape[head], self.mine, self.total, self.switch_axis
+        local, full = self.switch_local, self.switch_full
         width, count = len(local), q.shape[seq] - mine
         if error is None:
             error = self._check(q, k, mask, seq, head, count, total)
@@ -117,14 +124,14 @@ class HeadsCall:
                       error=error)
             raise error
         # the switch runs on the sharded axis of the unfolded sequence: [.., *lengths, ..]
-        sharded, head_at = seq + self.axis, head + (width - 1 if head > seq else 0)
+        sharded, head_at = seq + axis, head + (width - 1 if head > seq else 0)
         first = self.joint == "first"
         text_at, own_at = (0, count) if first else (mine, 0)
         own = tuple(_unfolded(t if count == 0 else t.narrow(seq, own_at, mine), seq, local) for t in (q, k, v))
-        whole = [count if i == self.axis else 1 for i in range(width)]  # R tokens on the sharded axis
+        whole = [count if i == axis else 1 for i in range(width)]  # R tokens on the sharded axis
         text = tuple(t.narrow(seq, text_at, count).unflatten(seq, whole) for t in (q, k, v)) if self.joint else ()
         switched = recompute.replay((self.where, "to_heads", call), lambda *qkv: _to_heads(
-            *qkv[:3], seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis],
+            *qkv[:3], seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[axis],
             replicated=qkv[3:] or None, comm_dtype=self.comm_dtype,
             exact=tuple(e for e in self.exact if e != "out")), *own, *text)
         out_dtype = None if "out" in self.exact else self.comm_dtype
@@ -151,12 +158,12 @@ class HeadsCall:
         own_out = _unfolded(out if count == 0 else out.narrow(seq, count if first else 0, total), seq, full)
         if not self.joint:
             out = recompute.replay((self.where, "from_heads", call), lambda o: from_heads(
-                o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis], heads=heads,
+                o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[axis], heads=heads,
                 comm_dtype=out_dtype), own_out)
             return out.flatten(seq, seq + width - 1) if width > 1 else out
         text_out = out.narrow(seq, 0 if first else total, count).unflatten(seq, whole)
         out, text_out = recompute.replay((self.where, "from_heads", call), lambda o, o_t: from_heads(
-            o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis], heads=heads,
+            o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[axis], heads=heads,
             replicated=o_t, comm_dtype=out_dtype), own_out, text_out)
         return joined(out, text_out)
 
