@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-__all__ = ["ShardSpec", "attach", "global_len_of", "propagate", "shard_spec"]
+__all__ = ["ShardSpec", "attach", "attach_spec", "global_len_of", "propagate", "shard_spec"]
 
 _ATTR = "_dsp_shard_spec"
 
@@ -97,13 +97,14 @@ def storage_address(x: torch.Tensor) -> int:
     The one identity of a tensor's memory used by the tag's aliases, ``accounting``'s saved bytes and
     Megatron's switch replay, so the same code runs on real and on fake tensors (``dsp_plugin.dryrun``).
     """
-    if is_fake(x):  # FakeTensorMode (the dry run, torch.compile's tracing, the fake-device tests)
+    plain = type(x) is torch.Tensor and not torch._is_functional_tensor(x)  # never fake: asked cheaply first
+    if not plain and is_fake(x):  # FakeTensorMode (the dry run, torch.compile's tracing, the fake-device tests)
         return x.untyped_storage()._cdata
     return x.untyped_storage().data_ptr()
 
 
 def _alias_key(x: torch.Tensor) -> tuple[object, ...] | None:
-    if x.numel() == 0 or x.device.type == "meta":
+    if x.is_meta or x.numel() == 0:
         return None  # empty tensors share data_ptr 0: no identity to key on
     return (storage_address(x), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
 
@@ -115,6 +116,11 @@ def attach(x: torch.Tensor, dim: int, global_len: int, *, grid: tuple[int, ...] 
     ``grid``/``axis`` describe a dim that folds several sequence axes (see :class:`ShardSpec`).
     """
     spec = ShardSpec(dim % x.dim(), int(global_len), tuple(int(g) for g in grid), int(axis))
+    return note(x, _ATTR, spec)
+
+
+def attach_spec(x: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """``attach`` with a tag already made (its dim counted from the front); returns ``x``."""
     return note(x, _ATTR, spec)
 
 

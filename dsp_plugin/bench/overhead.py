@@ -21,7 +21,9 @@ narrow and copy), reported as a share of the step (the slowest rank's step each 
 largest rank's), in wall time and in CPU time (the runtime's CPU time over the step's on the calling
 thread: robust to other jobs preempting the ranks on a shared machine, and without the waits in the
 collectives). Also counted: the ops that pass through the head switch's ``TorchFunctionMode`` (a Python
-call each, while a ``Heads`` module runs). The timed steps run beside untimed ones in alternating order,
+call each, while a ``Heads`` module runs; its cost is measured A/B against steps with it left off, and is 0
+where no op passed through it: a module seen attending through diffusers' dispatch alone runs without it,
+``plan.runtime``). The timed steps run beside untimed ones in alternating order,
 so the clock's own cost shows as the difference of the two step times (``step_ms`` against ``untimed_ms``).
 
 Timing is reported, never asserted.
@@ -224,6 +226,8 @@ def measure(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 20
                 zip(zip(*(r[part] for r in ranks)), zip(*(r[whole] for r in ranks)))]
 
     def mode_share(r: dict[str, Any]) -> list[float]:  # the SDPA level's cost over the step, CPU, per round
+        if not any(r["mode_calls"]):  # no op went through it: the A/B compares two identical steps (noise)
+            return [0.0] * len(r["untimed_cpu"])
         return [(a - b) / a for a, b in zip(r["untimed_cpu"], r["without_mode_cpu"])]
 
     for mode in modes:
@@ -231,7 +235,7 @@ def measure(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 20
         for r in ranks:
             r["mode_share"] = mode_share(r)
             r["total_share"] = [p / s + m for p, s, m in zip(r["plan_cpu"], r["step_cpu"], r["mode_share"])]
-            r["mode_cpu"] = [a - b for a, b in zip(r["untimed_cpu"], r["without_mode_cpu"])]
+            r["mode_cpu"] = [(a - b) * any(r["mode_calls"]) for a, b in zip(r["untimed_cpu"], r["without_mode_cpu"])]
         plan = quantiles(slowest("plan"))
         calls = ranks[0]["calls"][0]
         result[mode] = {"step_s": quantiles(slowest("step")), "untimed_s": quantiles(slowest("untimed")),

@@ -51,21 +51,57 @@ def _signature(forward: Any) -> inspect.Signature:
     return sig
 
 
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_PLACES: weakref.WeakKeyDictionary[Any, dict[str, int | None]] = weakref.WeakKeyDictionary()
+
+
+def _places(forward: Any, sig: inspect.Signature) -> dict[str, int | None] | None:
+    """Where each parameter of ``forward`` is passed: its position (also passable by name), or None (by keyword
+    only); None for a signature with ``*args`` or positional-only parameters (``Args`` binds those)."""
+    func = getattr(forward, "__func__", None)
+    places = _PLACES.get(func) if func is not None else None
+    if places is None:
+        kinds = [p.kind for p in sig.parameters.values()]
+        if inspect.Parameter.VAR_POSITIONAL in kinds or inspect.Parameter.POSITIONAL_ONLY in kinds:
+            return None
+        places = {name: (i if p.kind in _POSITIONAL else None) for i, (name, p) in enumerate(sig.parameters.items())
+                  if p.kind != inspect.Parameter.VAR_KEYWORD}
+        if func is not None:
+            _PLACES[func] = places
+    return places
+
+
 class Args:
     """A module call's arguments by name (``inspect.signature`` of its forward).
 
     An argument is named by its name or position, or by a path into a nested
     tuple/list argument: ``("image_rotary_emb", 1)`` is element 1 of that argument.
-    Bound on first use (a hook that reads no argument, a ``Heads``-only module's,
-    binds nothing); ``changed`` says whether ``set`` ran (else the call's own
-    arguments stand).
+    Read and replaced where the call passed it (by position or by keyword), as
+    ``inspect.Signature.bind_partial`` would find it, without binding the whole
+    call (the hooks run on every call of every planned module); a forward with
+    ``*args`` or positional-only parameters is bound. ``changed`` says whether
+    ``set`` ran (else the call's own arguments stand).
     """
 
     def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.module, self.args, self.kwargs = module, args, kwargs
         self._sig: inspect.Signature | None = None
         self._bound: inspect.BoundArguments | None = None
+        self._places: dict[str, int | None] | None | bool = False  # False: not looked up yet
         self.changed = False
+
+    def _where(self, name: str) -> tuple[str, Any] | None:
+        """("args", index) or ("kwargs", name) where the call passed parameter ``name``; None where it did not
+        pass it; bound (``self.bound``) when the signature is not a plain one."""
+        if self._places is False:
+            self._places = _places(self.module.forward, self.sig)
+        places = self._places
+        if places is None or self._bound is not None or name not in places:  # not plain, or **kwargs' own name
+            return ("bound", name)
+        if name in self.kwargs:
+            return ("kwargs", name)
+        index = places[name]
+        return ("args", index) if index is not None and index < len(self.args) else None
 
     @property
     def sig(self) -> inspect.Signature:
@@ -84,8 +120,28 @@ class Args:
             return self.name(arg[0])
         return list(self.sig.parameters)[arg] if isinstance(arg, int) else arg
 
+    def _read(self, name: str) -> Any:
+        where = self._where(name)
+        if where is None:
+            return None
+        kind, key = where
+        if kind == "bound":
+            return self.bound.arguments.get(key)
+        return self.kwargs[key] if kind == "kwargs" else self.args[key]
+
+    def _write(self, name: str, value: Any) -> None:
+        where = self._where(name)
+        kind, key = where if where is not None else ("kwargs", name)
+        if kind == "bound":
+            self.bound.arguments[key] = value
+        elif kind == "kwargs":
+            self.kwargs = {**self.kwargs, key: value}
+        else:
+            self.args = (*self.args[:key], value, *self.args[key + 1:])
+        self.changed = True
+
     def get(self, arg: str | int | tuple[Any, ...]) -> Any:
-        value = self.bound.arguments.get(self.name(arg))
+        value = self._read(self.name(arg))
         for i, index in enumerate(arg[1:] if isinstance(arg, tuple) else ()):
             if value is None:  # an optional argument the caller left out stays out
                 return None
@@ -102,8 +158,7 @@ class Args:
             items[arg[-1]] = value
             value = type(parent)(items) if isinstance(parent, list) or type(parent) is tuple else type(parent)(*items)
             return self.set(arg[:-1], value)
-        self.bound.arguments[self.name(arg)] = value
-        self.changed = True
+        self._write(self.name(arg), value)
 
     def out(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         if self._bound is None:

@@ -10,7 +10,9 @@ model reaches first, never both for one call:
   backends call SDPA themselves);
 - ``torch.nn.functional.scaled_dot_product_attention``, for models that call it
   directly, by a ``TorchFunctionMode`` that lives only for the module's call;
-  layout ``[B, H, L, Dh]``.
+  layout ``[B, H, L, Dh]``. It costs a Python call per torch op of the module,
+  so it is left off for a module seen attending through diffusers' dispatch
+  alone (``plan.runtime``'s ``_learn``).
 
 Both go through one :meth:`HeadsCall.attend`: q, k, v sharded on the sequence
 switch to the head shard (``dsp_plugin.head_switch.to_heads``: one packed
@@ -79,15 +81,26 @@ class HeadsCall:
 
     def __init__(self, where: str, lengths: list[tuple[int, int]], axis: int, group: Any,
                  joint: str | None = None, comm_dtype: object = None, exact: tuple[str, ...] = (),
-                 io_masks: dict[int, tuple[Any, Any]] | None = None) -> None:
+                 io_masks: dict[int, tuple[Any, Any]] | None = None, *, sdpa: bool = True) -> None:
         self.where, self.lengths, self.axis, self.group, self.joint = where, lengths, axis, group, joint
+        self.local, self.full = [a for a, _ in lengths], [b for _, b in lengths]
+        self.mine, self.total = math.prod(self.local), math.prod(self.full)
+        self.n, self.rank = group_size(group), group_rank(group)
+        # the axes the switch sees: the sharded one unfolded from the others; when it is the outermost and
+        # splits evenly, this rank's tokens are one even block of the folded sequence (the same elements in the
+        # same order), so the folded sequence switches as one axis, without views to unfold and fold it
+        even = axis == 0 and self.full[0] % self.n == 0
+        self.switch_local, self.switch_full, self.switch_axis = \
+            ([self.mine], [self.total], 0) if even else (self.local, self.full, axis)
         # under sharded_io, sharded on the axis the model is fed shards of: the forward's cache of key-padding
         # masks laid out for the global sequence, by the mask's identity (plan/masks.py); None otherwise
         self.io_masks = io_masks
         self.comm_dtype, self.exact = comm_dtype, exact  # the payload (comm/payload.py); Heads(exact=...)
         self.attended = 0        # attention calls intercepted in this module call (each its own replay key)
+        self.via_sdpa = 0        # of them, through the SDPA level (the rest through diffusers' dispatch)
         self.in_kernel = False   # a kernel is running: the SDPA it calls itself is not switched again
-        self.mode = _HeadSwitchMode(self)
+        self.sdpa = sdpa         # the SDPA level asked for (enter_heads: off where dispatch is known to serve)
+        self.mode: _HeadSwitchMode | None = None  # the SDPA level, while entered (enter_heads)
         self.mode_entered = False  # enter_heads: not under torch.compile
 
     def attend(self, kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any, *, seq: int,
@@ -101,9 +114,9 @@ class HeadsCall:
         from dsp_plugin.head_switch.exchange import _to_heads, from_heads, head_ranges
 
         call, self.attended = self.attended, self.attended + 1
-        heads, local, full = q.shape[head], [a for a, _ in self.lengths], [b for _, b in self.lengths]
-        width, mine, total = len(self.lengths), math.prod(local), math.prod(full)
-        count = q.shape[seq] - mine
+        heads, mine, total, axis = q.shape[head], self.mine, self.total, self.switch_axis
+        local, full = self.switch_local, self.switch_full
+        width, count = len(local), q.shape[seq] - mine
         if error is None:
             error = self._check(q, k, mask, seq, head, count, total)
         if error is not None:  # raised on every rank, by to_heads' check before its all-to-all
@@ -111,29 +124,29 @@ class HeadsCall:
                       error=error)
             raise error
         # the switch runs on the sharded axis of the unfolded sequence: [.., *lengths, ..]
-        sharded, head_at = seq + self.axis, head + (width - 1 if head > seq else 0)
+        sharded, head_at = seq + axis, head + (width - 1 if head > seq else 0)
         first = self.joint == "first"
         text_at, own_at = (0, count) if first else (mine, 0)
-        own = tuple(t.narrow(seq, own_at, mine).unflatten(seq, local) for t in (q, k, v))
-        whole = [count if i == self.axis else 1 for i in range(width)]  # R tokens on the sharded axis
+        own = tuple(_unfolded(t if count == 0 else t.narrow(seq, own_at, mine), seq, local) for t in (q, k, v))
+        whole = [count if i == axis else 1 for i in range(width)]  # R tokens on the sharded axis
         text = tuple(t.narrow(seq, text_at, count).unflatten(seq, whole) for t in (q, k, v)) if self.joint else ()
         switched = recompute.replay((self.where, "to_heads", call), lambda *qkv: _to_heads(
-            *qkv[:3], seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis],
+            *qkv[:3], seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[axis],
             replicated=qkv[3:] or None, comm_dtype=self.comm_dtype,
             exact=tuple(e for e in self.exact if e != "out")), *own, *text)
         out_dtype = None if "out" in self.exact else self.comm_dtype
 
         def joined(tokens: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
-            tokens = tokens.flatten(seq, seq + width - 1)
+            tokens = tokens.flatten(seq, seq + width - 1) if width > 1 else tokens
             if text is None:
                 return tokens
             pair = (text.flatten(seq, seq + width - 1), tokens)
             return torch.cat(pair if first else pair[::-1], dim=seq)
 
         q, k, v = (joined(t, switched[i + 3] if self.joint else None) for i, t in enumerate(switched[:3]))
-        if self.io_masks is not None and is_key_padding(mask) and group_size(self.group) > 1:
+        if self.io_masks is not None and is_key_padding(mask) and self.n > 1:
             mask = self._io_mask(mask, count)  # every rank, a headless one too: a collective
-        mine_heads = head_ranges(heads, group_size(self.group))[group_rank(self.group)]
+        mine_heads = head_ranges(heads, self.n)[self.rank]
         if mine_heads[1] == 0:  # more ranks than heads: nothing to attend here (some kernels divide by the heads);
             out = v.clone()     # an empty output still in the graph, so this rank's backward meets its peers'
         else:
@@ -142,15 +155,15 @@ class HeadsCall:
                 out = kernel(q, k, v, place_mask(mask, heads, mine_heads))
             finally:
                 self.in_kernel = False
-        own_out = out.narrow(seq, count if first else 0, total).unflatten(seq, full)
+        own_out = _unfolded(out if count == 0 else out.narrow(seq, count if first else 0, total), seq, full)
         if not self.joint:
             out = recompute.replay((self.where, "from_heads", call), lambda o: from_heads(
-                o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis], heads=heads,
+                o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[axis], heads=heads,
                 comm_dtype=out_dtype), own_out)
-            return out.flatten(seq, seq + width - 1)
+            return out.flatten(seq, seq + width - 1) if width > 1 else out
         text_out = out.narrow(seq, 0 if first else total, count).unflatten(seq, whole)
         out, text_out = recompute.replay((self.where, "from_heads", call), lambda o, o_t: from_heads(
-            o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[self.axis], heads=heads,
+            o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[axis], heads=heads,
             replicated=o_t, comm_dtype=out_dtype), own_out, text_out)
         return joined(out, text_out)
 
@@ -169,7 +182,7 @@ class HeadsCall:
     def _check(self, q: torch.Tensor, k: torch.Tensor, mask: Any, seq: int, head: int, count: int,
                total: int) -> ValueError | None:
         """This rank's reason not to switch (found before any collective), or None."""
-        local = [a for a, _ in self.lengths]
+        local = self.local
         if q.shape[seq] != k.shape[seq]:
             return ValueError(f"{self.where}: Heads is for self-attention; got {q.shape[seq]} queries and "
                               f"{k.shape[seq]} keys on this rank (leave cross-attention out of Heads)")
@@ -187,6 +200,11 @@ class HeadsCall:
         return None if why is None else ValueError(why)
 
 
+def _unfolded(t: torch.Tensor, dim: int, lengths: list[int]) -> torch.Tensor:
+    """``t`` with dim ``dim`` unfolded into ``lengths`` (a dim of one axis as it is)."""
+    return t.unflatten(dim, lengths) if len(lengths) > 1 else t
+
+
 class _HeadSwitchMode(TorchFunctionMode):
     """``scaled_dot_product_attention`` inside a ``Heads`` module call, through ``HeadsCall.attend``."""
 
@@ -196,12 +214,13 @@ class _HeadSwitchMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = dict(kwargs or {})
         if func is not F.scaled_dot_product_attention or self.call.in_kernel:
-            return func(*args, **kwargs)
+            return func(*args, **(kwargs or {}))
+        kwargs = dict(kwargs or {})
         sdpa = dict(zip(_SDPA, args)) | kwargs
         q, k, v = sdpa.pop("query"), sdpa.pop("key"), sdpa.pop("value")
         mask = sdpa.pop("attn_mask", None)
+        self.call.via_sdpa += 1
         return self.call.attend(lambda q, k, v, m: func(q, k, v, attn_mask=m, **sdpa), q, k, v, mask, seq=2, head=1)
 
 
@@ -235,9 +254,11 @@ def current_call() -> HeadsCall | None:
 
 
 def enter_heads(where: str, group: Any, joint: str | None = None, *, comm_dtype: object = None,
-                exact: tuple[str, ...] = (), io: tuple[str | None, dict[int, Any]] | None = None) -> None:
+                exact: tuple[str, ...] = (), io: tuple[str | None, dict[int, Any]] | None = None,
+                sdpa: bool = True) -> None:
     """Open a ``Heads`` module call. ``io``: under ``sharded_io``, the axis the model is fed shards of and the
-    forward's mask cache (a key-padding mask built from the shard is laid out when the call is sharded there)."""
+    forward's mask cache (a key-padding mask built from the shard is laid out when the call is sharded there).
+    ``sdpa=False``: without the SDPA level (the caller knows the module attends through diffusers' dispatch)."""
     from dsp_plugin.plan.frames import current_block
 
     block = current_block()
@@ -249,31 +270,36 @@ def enter_heads(where: str, group: Any, joint: str | None = None, *, comm_dtype:
     n, rank = group_size(group), group_rank(group)
     lengths = [(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a], grid[a]) for a in names]
     io_masks = io[1] if io is not None and io[0] == shard else None
-    call = HeadsCall(where, lengths, names.index(shard), group, joint, comm_dtype, exact, io_masks)
+    call = HeadsCall(where, lengths, names.index(shard), group, joint, comm_dtype, exact, io_masks, sdpa=sdpa)
     # under torch.compile only diffusers' dispatch is intercepted: dynamo cannot trace a TorchFunctionMode
     # entered outside a ``with``; a model that calls SDPA directly then ends its Heads call unswitched,
     # which exit_heads refuses (never a silent local attention)
-    call.mode_entered = not torch.compiler.is_compiling()
+    call.mode_entered = sdpa and not torch.compiler.is_compiling()
     if call.mode_entered:
+        call.mode = _HeadSwitchMode(call)
         call.mode.__enter__()
     if not hasattr(_local, "calls"):
         _local.calls = []
     _local.calls.append(call)
 
 
-def exit_heads() -> None:
-    """Close this thread's innermost ``Heads`` call; raise if it intercepted no attention (its forward returned)."""
+def exit_heads() -> HeadsCall | None:
+    """Close this thread's innermost ``Heads`` call and return it; raise if it intercepted no attention (its
+    forward returned)."""
     calls = getattr(_local, "calls", [])
     if not calls:
-        return
+        return None
     call = calls.pop()
-    if call.mode_entered:
+    if call.mode is not None and call.mode_entered:
         call.mode.__exit__(None, None, None)
     if call.attended == 0 and sys.exc_info()[1] is None:
-        local = [a for a, _ in call.lengths]
+        levels = ("neither torch.nn.functional.scaled_dot_product_attention nor a diffusers attention backend ran "
+                  "inside it" if call.sdpa else
+                  "no diffusers attention backend ran inside it, as one did in its earlier calls: the SDPA level "
+                  "was not watched in this call; it is from the next call on")
         raise RuntimeError(
             f"{call.where}: this Heads module finished without an attention call the head switch intercepted "
-            f"(neither torch.nn.functional.scaled_dot_product_attention nor a diffusers attention backend ran "
-            f"inside it), so its attention saw only this rank's {math.prod(local)} tokens. Expected its attention "
+            f"({levels}), so its attention saw only this rank's {call.mine} tokens. Expected its attention "
             f"through one of those two; for a custom kernel, register it as a diffusers attention backend or call "
             f"dsp_plugin.to_heads / from_heads around it (docs/models.md, 'Attention backends')")
+    return call

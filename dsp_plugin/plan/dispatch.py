@@ -4,7 +4,7 @@ diffusers' attention processors call ``dispatch_attention_fn``, which looks the
 backend function up in ``_AttentionBackendRegistry._backends`` at every call
 (``model.set_attention_backend("flex")``, the ``attention_backend`` context, or
 the environment's default). :func:`install` replaces each function there by a
-wrapper, once (idempotent; run at ``parallelize`` and at every ``Heads`` call, so
+wrapper, once (idempotent; run at ``parallelize`` and at every forward of a model with ``Heads``, so
 a backend registered later is wrapped too). Outside a ``Heads`` module call the
 wrapper calls the backend unchanged; inside one, q, k, v ``[B, L_local(+R), H,
 Dh]`` go through ``HeadsCall.attend`` (``dsp_plugin.plan.attention``): the
@@ -135,8 +135,8 @@ _installed: list[Any] = [None, None]  # what install() left in the registry: (ba
 def install() -> None:
     """Wrap every backend (and its constraint checks) registered in diffusers' dispatch; idempotent.
 
-    Runs at every ``Heads`` call: when the registry holds what the last call left there (a dict
-    comparison), nothing was registered or replaced since, and there is nothing to wrap."""
+    Runs at every forward of a model with ``Heads``: when the registry holds what the last call left there
+    (a dict comparison), nothing was registered or replaced since, and there is nothing to wrap."""
     registry = _registry()
     if registry is None:
         return

@@ -37,7 +37,7 @@ def spec_for(lay: Layout, grid: dict[str, int], shard: str) -> carrier.ShardSpec
     """The carrier's tag of a tensor in ``lay`` sharded on axis ``shard``."""
     dim = lay.dim_of(shard)
     names = lay.dims[dim]
-    lengths = tuple(grid[a] for a in names)
+    lengths = tuple([grid[a] for a in names])
     return carrier.ShardSpec(dim, math.prod(lengths), lengths, names.index(shard))
 
 
@@ -118,8 +118,7 @@ def _fold(x: torch.Tensor, lay: Layout) -> torch.Tensor:
 
 
 def _tag(x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str) -> torch.Tensor:
-    spec = spec_for(lay, grid, shard)
-    return carrier.attach(x, spec.dim, spec.global_len, grid=spec.grid, axis=spec.axis)
+    return carrier.attach_spec(x, spec_for(lay, grid, shard))
 
 
 class _PartialSplit(torch.autograd.Function):
@@ -155,15 +154,21 @@ def scale_grad(x: Any, factor: float) -> Any:
     return x
 
 
-def partial_split(where: str, x: torch.Tensor, axis_index: int, group: Any) -> torch.Tensor:
+def partial_split(where: str, x: torch.Tensor, axis_index: int, group: Any, *, length: int | None = None,
+                  inner: int = 1) -> torch.Tensor:
+    """This rank's chunk of dim ``axis_index`` (partial adjoint). ``length``/``inner``: the dim folds an axis of
+    ``length`` positions outermost, each ``inner`` rows (``(F HW)`` split on F): chunks of that axis, whole rows."""
     n, rank = group_size(group), group_rank(group)
-    length = x.shape[axis_index]
+    length = x.shape[axis_index] if length is None else length
     if length < n:
         raise ValueError(f"{where}: a sequence axis of length {length} cannot be split over {n} ranks; expected "
                          f"at least one element per rank (length >= {n})")
     sizes = chunk_sizes(length, n)
+    start, size = offsets(sizes)[rank] * inner, sizes[rank] * inner
     comm.count_sharded_call()  # a shard is made: what the DeepSpeed guard checks a DSP model does
-    return _PartialSplit.apply(x, axis_index, offsets(sizes)[rank], sizes[rank])
+    if not (x.requires_grad and torch.is_grad_enabled()):  # no backward: the chunk, without an autograd node
+        return x.narrow(axis_index, start, size).contiguous()
+    return _PartialSplit.apply(x, axis_index, start, size)
 
 
 def plan_split(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str,
@@ -171,6 +176,12 @@ def plan_split(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], s
     """Replicated ``x`` in ``lay`` -> this rank's chunk of axis ``shard``, tagged."""
     if group_size(group) == 1:
         return x
+    dim = lay.dim_of(shard)
+    names = lay.dims[dim]
+    if names[0] == shard and x.dim() == len(lay.dims):  # the dim's outermost axis: its chunk is a block of rows
+        inner = math.prod([grid[a] for a in names[1:]])
+        if x.shape[dim] == grid[shard] * inner:
+            return _tag(partial_split(where, x, dim, group, length=grid[shard], inner=inner), lay, grid, shard)
     full = _unfold(where, x, lay, grid, None, group)
     local = partial_split(where, full, lay.axes.index(shard), group)
     return _tag(_fold(local, lay), lay, grid, shard)

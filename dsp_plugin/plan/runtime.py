@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dsp_plugin import every_gradient, failures
+from dsp_plugin import checks, every_gradient, failures
 from dsp_plugin import layout as carrier
 from dsp_plugin.comm import agree_inputs, chunk_sizes, group_rank, group_size
 from dsp_plugin.comm.group_resolution import _resolve_group
@@ -58,6 +58,7 @@ INPUT_HINT = ("Seed every rank alike before drawing inputs (torch.manual_seed, o
               "inputs are this rank's shards on purpose, call the model under dsp_plugin.plan.sharded_io.")
 
 _ONSHARD_ATTR = "_dsp_plan_on_shard"
+_UNSEEN = object()  # a Heads module not known to attend through diffusers' dispatch alone
 
 
 class _Runtime:
@@ -65,6 +66,10 @@ class _Runtime:
         self.model, self.plan, self.group = model, plan, group
         self.comm_dtype = comm_dtype  # the switches' wire format (comm/payload.py); a Block/Heads may opt out
         self.entries = expand(model, plan)
+        # Heads module path -> its attention processor, for modules seen attending through diffusers' dispatch
+        # alone (``_learn``): their calls run without the SDPA level
+        self.via_dispatch: dict[str, Any] = {}
+        self.heads = any(isinstance(s, Heads) for _, _, specs in self.entries for s in specs)
         self.grid = next((s for _, _, specs in self.entries for s in specs if isinstance(s, Grid)), Grid())
         self.handles: list[Any] = []
 
@@ -77,6 +82,8 @@ class _Runtime:
 
     def root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         recompute.forward_starts()  # kept collective outputs belong to one forward (plan/recompute.py)
+        if self.heads:
+            dispatch.install()  # a diffusers backend registered after parallelize is wrapped too
         a = _Args(module, args, kwargs)
         io = current_io()
         if io is not None:
@@ -119,6 +126,7 @@ class _Runtime:
         new = _Runtime.__new__(_Runtime)
         memo[id(self)] = new
         new.plan, new.group, new.grid, new.comm_dtype = self.plan, self.group, self.grid, self.comm_dtype
+        new.via_dispatch, new.heads = {}, self.heads  # the copy's modules have their own processors: learnt again
         new.model = copy.deepcopy(self.model, memo)
         new.entries = [(path, copy.deepcopy(module, memo), specs) for path, module, specs in self.entries]
         new.handles = copy.deepcopy(self.handles, memo)
@@ -144,10 +152,15 @@ class _Runtime:
             elif isinstance(spec, Block):
                 block = self.block_pre(path, a, spec)
             elif isinstance(spec, Heads):
-                dispatch.install()  # a backend registered after parallelize is wrapped too
                 frame = self.frame()
                 io = (frame.io_shard, frame.masks) if frame is not None and frame.sharded_io else None
-                enter_heads(path, self.group, spec.joint, comm_dtype=self.comm_dtype, exact=spec.exact, io=io)
+                # the SDPA level (never under torch.compile: enter_heads): unless the module is known to attend
+                # through diffusers' dispatch alone (``_learn``); DSP_CHECK=1: at every call
+                sdpa = not torch.compiler.is_compiling() and (
+                    self.via_dispatch.get(path, _UNSEEN) is not getattr(module, "processor", None)
+                    or checks.check_mode() == "always")
+                enter_heads(path, self.group, spec.joint, comm_dtype=self.comm_dtype, exact=spec.exact, io=io,
+                            sdpa=sdpa)
             elif isinstance(spec, Gather) and spec.arg != "out":
                 a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
             elif isinstance(spec, OnShard):
@@ -171,9 +184,12 @@ class _Runtime:
         for spec in reversed(specs):
             if isinstance(spec, Heads):
                 try:
-                    exit_heads()
+                    call = exit_heads()
                 except RuntimeError as exc:  # raised after the other specs closed what they opened
                     error = exc
+                    self.via_dispatch.pop(path, None)
+                else:
+                    self._learn(path, module, call)
         for spec in reversed(specs):
             if isinstance(spec, Block):
                 output = self.block_post(path, spec, output)
@@ -187,6 +203,23 @@ class _Runtime:
         if error is not None:
             raise error
         return output
+
+    def _learn(self, path: str, module: nn.Module, call: Any) -> None:
+        """After a ``Heads`` call: whether the module attends through diffusers' dispatch alone.
+
+        The SDPA level (a ``TorchFunctionMode``: a Python call for every torch op of the module, ~40 a Wan
+        attention) is needed only by a module that calls ``scaled_dot_product_attention`` itself. A module whose
+        call attended through diffusers' dispatch and never through SDPA is called without it while its
+        attention processor is the same object (``set_attn_processor`` puts a new one: watched again). Should
+        such a call then attend neither way, ``exit_heads`` refuses it on every rank, and the next call is watched.
+        Under ``DSP_CHECK=1`` every call is watched.
+        """
+        if call is None or torch.compiler.is_compiling():
+            return
+        if call.attended and not call.via_sdpa:
+            self.via_dispatch[path] = getattr(module, "processor", None)
+        elif call.via_sdpa:
+            self.via_dispatch.pop(path, None)
 
     def gather_out(self, where: str, output: Any, spec: Gather) -> Any:
         """A module's output gathered: every tensor of it that carries a shard tag in the layout, or, if none
@@ -253,7 +286,8 @@ class _Runtime:
                 raise ValueError(f"{path}: the activation of shape {tuple(x.shape)} is not in the block's layout "
                                  f"'{spec.layout}'")
             placed = ({**frame.grid, **tagged[0]}, frame.shard)
-            carrier.note(x, _GRID_ATTR, dict(placed[0]))  # and the lengths of the axes the tag does not hold
+            # and the lengths of the axes the tag does not hold
+            carrier.note(x, _GRID_ATTR, dict(placed[0]))
         grid, shard = _complete(path, x, spec.layout, placed, frame)
         if spec.attends is not None and spec.attends == shard:
             if spec.then is None:
