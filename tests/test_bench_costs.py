@@ -27,7 +27,9 @@ def test_costs_section_runs_and_prints_its_rows(tmp_path) -> None:
         assert f"| {op}: bf16 (A) vs FP8 (B)" in table
     assert [r["mode"] for r in result["runtime"]] == ["forward", "train"]
     for r in result["runtime"]:
-        assert r["calls"] > 0 and r["mode_calls"] > 0, r     # the hooks ran, and ops went through the mode
+        # the hooks ran; no op went through the SDPA level (Wan attends through diffusers' dispatch, so after its
+        # first call each Heads module runs without it: plan.runtime's _learn, tests/test_plan_sdpa_level.py)
+        assert r["calls"] > 0 and r["mode_calls"] == 0, r
         assert 0 < r["plan_cpu_ms"] and r["total_share"] > 0, r
     assert table.count("plan runtime's share of a Wan") == 2
     written = costs.write(result, tmp_path)
