@@ -69,7 +69,6 @@ def sharded_calls() -> int:
     return _sharded_calls
 
 
-@torch.compiler.assume_constant_result
 def _count_traced() -> int:
     """The count, made while dynamo traces: dynamo calls this at trace time and puts its result (a constant,
     unused) in the graph, so the graph neither reads nor guards on the counter (reading the global would
@@ -77,6 +76,11 @@ def _count_traced() -> int:
     global _sharded_calls
     _sharded_calls += 1
     return 0
+
+
+# what torch.compiler.assume_constant_result(_count_traced) does (torch/_dynamo/decorators.py sets this flag),
+# without importing torch._dynamo when dsp_plugin is imported (seconds, and packages we do not declare: tqdm)
+_count_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
 
 
 def count_sharded_call() -> None:
