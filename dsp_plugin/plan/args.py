@@ -53,6 +53,7 @@ def _signature(forward: Any) -> inspect.Signature:
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _PLACES: weakref.WeakKeyDictionary[Any, dict[str, int | None]] = weakref.WeakKeyDictionary()
+_NOT_PLAIN: dict[str, int | None] = {}  # _PLACES' entry for a forward with *args or positional-only parameters
 
 
 def _places(forward: Any, sig: inspect.Signature) -> dict[str, int | None] | None:
@@ -62,13 +63,12 @@ def _places(forward: Any, sig: inspect.Signature) -> dict[str, int | None] | Non
     places = _PLACES.get(func) if func is not None else None
     if places is None:
         kinds = [p.kind for p in sig.parameters.values()]
-        if inspect.Parameter.VAR_POSITIONAL in kinds or inspect.Parameter.POSITIONAL_ONLY in kinds:
-            return None
+        plain = inspect.Parameter.VAR_POSITIONAL not in kinds and inspect.Parameter.POSITIONAL_ONLY not in kinds
         places = {name: (i if p.kind in _POSITIONAL else None) for i, (name, p) in enumerate(sig.parameters.items())
-                  if p.kind != inspect.Parameter.VAR_KEYWORD}
-        if func is not None:
+                  if p.kind != inspect.Parameter.VAR_KEYWORD} if plain else _NOT_PLAIN
+        if func is not None:  # a signature that is not plain is remembered too (not looked at every call)
             _PLACES[func] = places
-    return places
+    return None if places is _NOT_PLAIN else places
 
 
 class Args:
