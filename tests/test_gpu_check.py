@@ -20,6 +20,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts/gpu_check.sh"
 STEPS = ["te", "pytest-gpu", "megatron-te-fp8", "megatron-distopt", "megatron-dsp2-gloo", "primitives",
+         "compile", "compile-gloo2", "fp8-payload",
          "deepspeed-zero2-fp16", "deepspeed-zero2-bf16", "deepspeed-zero3-fp16", "deepspeed-zero3-bf16",
          "attention", "sampling", "figures"]
 

@@ -136,13 +136,15 @@ def encode(rows: Sequence[Sequence[torch.Tensor]], formats: Sequence[torch.dtype
                 size += part.numel()
                 continue
             top = torch.finfo(fmt).max
-            amax = flat.abs().amax().float() if flat.numel() else flat.new_zeros((), dtype=torch.float32)
+            # [1], stride 1: Inductor (torch 2.11 on CUDA) fails to bitcast a 0-dim value reshaped to [1]
+            # ("self.stride(-1) must be 1 to view Float as Byte ... but got 0")
+            amax = flat.abs().amax(0, keepdim=True).float() if flat.numel() else flat.new_zeros(1, dtype=torch.float32)
             scale = (amax / top).clamp_min(torch.finfo(torch.float32).tiny)  # a zero chunk: any scale will do
             wire = (flat.float() / scale).clamp(-top, top).to(fmt)
             if _measured is not None:
                 _measured.append(_round_trip(flat, wire, scale, fmt))
             parts.append(wire.view(torch.uint8))
-            parts.append(scale.reshape(1).view(torch.uint8))
+            parts.append(scale.view(torch.uint8))
             size += flat.numel() + _SCALE_BYTES
         splits.append(size)
     if not parts:
