@@ -150,13 +150,14 @@ def _one(rank: int, n: int, case: str, device: torch.device, no_plan: bool = Fal
     explained = explain.output()
     graphs = [g for g in explained.graphs if len(g.graph.nodes)]
     e_out, e_dx, e_grads = eager
+    rel = {name: ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()   # per parameter, by name
+           for (name, _), a, b in zip(model.named_parameters(), grads, e_grads) if a is not None}
     result = {
         "case": case + (" (no plan)" if no_plan else ""), "device": str(device), "dynamic": dynamic,
         "comm_dtype": comm_dtype,
         "graphs": len(graphs), "reasons": [_reason(b) for b in explained.break_reasons],
         "recompiled": len(explain.graphs) - traced, "host_syncs": syncs.count, "sync_sites": dict(syncs.sites),
-        "grads_rel": max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-                         for a, b in zip(grads, e_grads) if a is not None),
+        "grads_rel": max(rel.values()), "worst_grad": max(rel, key=rel.get),
         "traced_syncs": sum(_reads_value(n, set()) for g in graphs for n in _nodes(g)),
         "collective_graphs": sum(any(any(c in str(n.target) for c in COLLECTIVE) for n in _nodes(g)) for g in graphs),
         "out": (out - e_out).abs().max().item(), "dx": (dx - e_dx).abs().max().item(),
@@ -244,7 +245,7 @@ def main() -> None:
             continue
         fp8 = "" if r["fp8_vs_plain"] is None else f"{r['fp8_vs_plain']:.1e}"
         print(f"| {r['case']} | {r['graphs']} | {len(r['ours'])} | {r['host_syncs']} | {r['recompiled']} "
-              f"| {r['out']:.1e} / {r['dx']:.1e} / {r['grads']:.1e} (rel {r['grads_rel']:.0e}) "
+              f"| {r['out']:.1e} / {r['dx']:.1e} / {r['grads']:.1e} (rel {r['grads_rel']:.0e} {r['worst_grad']}) "
               f"| {fp8} | {r['compile_s']:.1f} "
               f"| {r['eager_ms']:.2f} | {r['compiled_ms']:.2f} |")
     for r in results[0]:
