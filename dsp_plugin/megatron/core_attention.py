@@ -7,7 +7,6 @@ each other.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
@@ -15,7 +14,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from dsp_plugin.megatron.dropout import rank_rng
+from dsp_plugin.megatron.dropout import rank_dropout_attention
 
 __all__ = ["SDPACoreAttention"]
 
@@ -63,9 +62,11 @@ class SDPACoreAttention(MegatronModule):
             repeat = q.shape[1] // k.shape[1]
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         dropout = self.dropout_p if self.training else 0.0
-        with rank_rng(q.device, self.dropout_salt) if dropout else contextlib.nullcontext():
-            out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=None if attention_mask is None else ~attention_mask, dropout_p=dropout,
-                scale=self.softmax_scale)
+        mask = None if attention_mask is None else ~attention_mask
+        if dropout:   # this shard's own mask (dropout.py); outside a compiled graph
+            out = rank_dropout_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=self.softmax_scale,
+                                         salt=self.dropout_salt)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale)
         # [b, h, s, d] -> [s, b, h * d]
         return out.permute(2, 0, 1, 3).flatten(2)
