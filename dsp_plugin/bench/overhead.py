@@ -118,7 +118,7 @@ def _instrument(clock: _Clock) -> None:
         return outer
 
     dispatch._wrap_backend = wrap_backend
-    for cls in (ops._PartialSplit, ops._ScaleGrad, every_gradient._Touch):
+    for cls in (ops._ScaleGrad, every_gradient._Touch):
         cls.backward = staticmethod(clock.timed("plan", cls.backward))
     mode_fn = attention._HeadSwitchMode.__torch_function__
 

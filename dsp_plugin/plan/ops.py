@@ -121,21 +121,6 @@ def _tag(x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str) -> torc
     return carrier.attach_spec(x, spec_for(lay, grid, shard))
 
 
-class _PartialSplit(torch.autograd.Function):
-    """This rank's chunk of ``dim``; backward: its gradient in place, zeros elsewhere (no communication)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int, start: int, size: int) -> torch.Tensor:
-        ctx.shape, ctx.dim, ctx.start = x.shape, dim, start
-        return x.narrow(dim, start, size).contiguous()
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        full = g.new_zeros(ctx.shape)
-        full.narrow(ctx.dim, ctx.start, g.shape[ctx.dim]).copy_(g)
-        return full, None, None, None
-
-
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, factor: float) -> torch.Tensor:
@@ -166,9 +151,10 @@ def partial_split(where: str, x: torch.Tensor, axis_index: int, group: Any, *, l
     sizes = chunk_sizes(length, n)
     start, size = offsets(sizes)[rank] * inner, sizes[rank] * inner
     comm.count_sharded_call()  # a shard is made: what the DeepSpeed guard checks a DSP model does
-    if not (x.requires_grad and torch.is_grad_enabled()):  # no backward: the chunk, without an autograd node
-        return x.narrow(axis_index, start, size).contiguous()
-    return _PartialSplit.apply(x, axis_index, start, size)
+    # autograd's own narrow is the partial adjoint (the gradient in place, zeros elsewhere). Not an autograd
+    # Function of ours: torch 2.11's dynamo drops the gradient of a Function applied in a forward pre-hook
+    # (a follow argument's split: Latte's caption and timestep embeddings got none; fixed in 2.13)
+    return x.narrow(axis_index, start, size).contiguous()
 
 
 def plan_split(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str,
