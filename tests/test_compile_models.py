@@ -77,13 +77,17 @@ def _step(model: torch.nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[s
 
 
 class HostSyncs:
-    """A dispatch mode counting ``aten._local_scalar_dense``: a tensor's value read by the host.
+    """A dispatch mode counting ``aten._local_scalar_dense``: a tensor's value read by the host. ``sites``: the
+    reads by the innermost frame outside torch that made them (``file:line``; Inductor's generated code is
+    ``<string>``).
 
     ``ignore_compile_internals``: dynamo compiles with the mode off and runs the compiled graphs (and the
     eager code between them, after a break) with it on; a mode without it makes dynamo skip every frame.
     """
 
     def __init__(self) -> None:
+        from collections import Counter
+
         from torch.utils._python_dispatch import TorchDispatchMode
 
         class _Mode(TorchDispatchMode):
@@ -93,10 +97,19 @@ class HostSyncs:
 
             def __torch_dispatch__(mode, func, types, args=(), kwargs=None):  # noqa: N805
                 if func is torch.ops.aten._local_scalar_dense.default:
-                    self.count += 1
+                    import traceback
+
+                    frames = [f for f in traceback.extract_stack()[:-1] if f"{os.sep}torch{os.sep}" not in f.filename
+                              and not f.filename.endswith("test_compile_models.py")]
+                    self.sites[f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"] += 1
                 return func(*args, **(kwargs or {}))
 
-        self.count, self.mode = 0, _Mode()
+        self.sites: Counter[str] = Counter()
+        self.mode = _Mode()
+
+    @property
+    def count(self) -> int:
+        return sum(self.sites.values())
 
     def __enter__(self) -> HostSyncs:
         self.mode.__enter__()

@@ -80,44 +80,6 @@ def _timed(model: Any, args: tuple[Any, ...], kwargs: dict[str, Any], device: to
     return statistics.median(times) * 1e3
 
 
-class _Syncs:
-    """Host reads (``aten._local_scalar_dense``) counted by the innermost frame outside torch that made them."""
-
-    def __init__(self) -> None:
-        from collections import Counter
-
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        self.sites: Counter[str] = Counter()
-
-        class _Mode(TorchDispatchMode):
-            @classmethod
-            def ignore_compile_internals(cls) -> bool:
-                return True
-
-            def __torch_dispatch__(mode, func, types, args=(), kwargs=None):  # noqa: N805
-                if func is torch.ops.aten._local_scalar_dense.default:
-                    import traceback
-
-                    frames = [f for f in traceback.extract_stack()[:-1]
-                              if f"{os.sep}torch{os.sep}" not in f.filename and f.filename != __file__]
-                    self.sites[f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"] += 1
-                return func(*args, **(kwargs or {}))
-
-        self.mode = _Mode()
-
-    @property
-    def count(self) -> int:
-        return sum(self.sites.values())
-
-    def __enter__(self) -> _Syncs:
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.mode.__exit__(*exc)
-
-
 def _one(rank: int, n: int, case: str, device: torch.device, no_plan: bool = False) -> dict[str, Any]:
     """One case on this rank; with one rank the plan's switches move nothing and no collective is traced.
     ``no_plan``: the model as its authors wrote it, no plan (what torch does to it alone)."""
@@ -125,7 +87,7 @@ def _one(rank: int, n: int, case: str, device: torch.device, no_plan: bool = Fal
     from torch._dynamo.backends.debugging import ExplainWithBackend
 
     import dsp_plugin
-    from tests.test_compile_models import COLLECTIVE, _nodes, _reads_value, _reason, _step
+    from tests.test_compile_models import COLLECTIVE, HostSyncs, _nodes, _reads_value, _reason, _step
 
     name, comm_dtype, dynamic = CASES[case]
     base, args, kwargs = _case(name, device)
@@ -145,7 +107,7 @@ def _one(rank: int, n: int, case: str, device: torch.device, no_plan: bool = Fal
     _step(compiled, args, kwargs)
     compile_s = time.perf_counter() - start
     traced = len(explain.graphs)
-    with _Syncs() as syncs:
+    with HostSyncs() as syncs:
         out, dx, grads = _step(compiled, args, kwargs)
     explained = explain.output()
     graphs = [g for g in explained.graphs if len(g.graph.nodes)]
