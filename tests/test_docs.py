@@ -174,6 +174,8 @@ RULES: list[Rule] = [
          "rows left out, in tests/test_bench_costs.py (a first compiled call takes about a minute here)"),
     Rule(r"python -m dsp_plugin\.bench\.overhead", "check", "flags checked; tests/test_bench_costs.py runs its "
          "measure at a tiny Wan"),
+    Rule(r"python -m dsp_plugin\.bench\.costs", "check", "flags checked; tests/test_bench_costs.py runs its "
+         "sections at tiny sizes, the compiled runtime's count too"),
     Rule(r"bench --quick", "covered", tests=("tests/test_bench.py::test_quick_bench_runs_and_writes_its_files",)),
     Rule(r"bench --methods", "check", "flags checked; the methods run in tests/test_bench.py"),
     Rule(r"bench --wan-only|bench --no-wan", "check", "flags checked; the same full-3D section runs in "

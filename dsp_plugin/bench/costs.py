@@ -1,4 +1,4 @@
-"""Issue 28's three costs, side by side in one run: eager vs compiled, bf16 vs FP8 on the wire, our own Python.
+"""Issue 28's costs, side by side in one run: eager vs compiled, bf16 vs FP8 on the wire, our own Python.
 
     python -m dsp_plugin.bench.costs --nproc 2 [--quick]    # also: python -m dsp_plugin.bench [--costs-only]
 
@@ -20,6 +20,9 @@ On N gloo ranks (CPU), one table:
 - **the plan runtime's share of a step** (``dsp_plugin.bench.overhead``): the Wan of the bench's
   full-3D row (``dsp_plugin.bench.wan``), one forward and one training step; CPU time in the runtime's
   hooks plus the head switch's SDPA-level function mode (measured A/B) over the step's.
+- **the plan runtime under ``torch.compile``** (with the compile rows): at the same Wan, the Python calls
+  into dsp_plugin per step (``sys.setprofile``), eager against ``backend="aot_eager"``, and the step's CPU
+  time: compiled, the hooks run inside the graph and only the model's own hooks are left.
 
 Times are medians over the rounds of the slowest rank's time per round; ratios are taken round by
 round. Timing is printed, never asserted.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
 import time
@@ -106,6 +110,64 @@ def _compile_worker(rank: int, n: int, names: tuple[str, ...], rounds: int) -> d
     return out
 
 
+def _calls_into_dsp_plugin(fn: Any) -> int:
+    """Python calls into dsp_plugin's code while ``fn()`` runs (``sys.setprofile``; the bench's own code left out)."""
+    calls = [0]
+    ours, bench = f"{os.sep}dsp_plugin{os.sep}", f"{os.sep}dsp_plugin{os.sep}bench{os.sep}"
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        name = frame.f_code.co_filename
+        if event == "call" and ours in name and bench not in name:
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+def _compiled_runtime_worker(rank: int, n: int, size: tuple[int, ...], rounds: int) -> dict[str, Any]:
+    """The bench's Wan parallelized, eager and ``torch.compile``d (aot_eager): per step, the Python calls into
+    dsp_plugin and the step's CPU time on this thread, alternating."""
+    from dsp_plugin.log import quiet_third_party
+
+    quiet_third_party()
+    import dsp_plugin
+    from dsp_plugin.bench.wan import _setup
+    from dsp_plugin.topology import Topology, set_topology
+
+    set_topology(Topology.world())
+    reference, batch = _setup(size)
+    eager = dsp_plugin.parallelize(copy.deepcopy(reference))
+    models = {"eager": eager, "compiled": torch.compile(eager, backend="aot_eager")}
+
+    def step(model: Any, mode: str) -> None:
+        if mode == "forward":
+            with torch.no_grad():
+                model(*batch, return_dict=False)
+            return
+        x = batch[0].clone().requires_grad_(True)
+        model(x, *batch[1:], return_dict=False)[0].square().mean().backward()
+        eager.zero_grad(set_to_none=True)
+
+    out: dict[str, Any] = {}
+    for mode in ("forward", "train"):
+        for kind in ("eager", "compiled", "compiled"):   # the first eager call checks; the compiled ones compile
+            step(models[kind], mode)
+        calls = {kind: _calls_into_dsp_plugin(lambda m=m: step(m, mode)) for kind, m in models.items()}
+        cpu: dict[str, list[float]] = {k: [] for k in models}
+        for r in range(rounds):
+            for kind in (("eager", "compiled") if r % 2 == 0 else ("compiled", "eager")):
+                start = time.thread_time()
+                step(models[kind], mode)
+                cpu[kind].append(time.thread_time() - start)
+        out[mode] = {"calls": calls, "cpu": cpu}
+    torch._dynamo.reset()
+    return out
+
+
 def _switch_worker(rank: int, n: int, switch: tuple[int, ...], heads: tuple[int, ...], reps: int) -> dict[str, Any]:
     from dsp_plugin.log import quiet_third_party
 
@@ -156,7 +218,7 @@ def _per_round_max(per_rank: list[list[float]]) -> list[float]:
 def run(n: int = 2, *, quick: bool = False, rounds: int | None = None, models: tuple[str, ...] | None = None,
         switch: tuple[int, ...] | None = None, heads: tuple[int, ...] | None = None,
         runtime_size: tuple[int, ...] | None = None) -> dict[str, Any]:
-    """The three costs as one dict (``markdown`` prints it). ``models``: the compiled ones (``"wan"``,
+    """The costs as one dict (``markdown`` prints it). ``models``: the compiled ones (``"wan"``,
     ``"stdit"``; ``()`` leaves the compile rows out); ``switch``/``heads``: the per-rank shapes of the wire
     rows; ``runtime_size``: the Wan of the runtime's share (``bench.wan``'s size tuple)."""
     from dsp_plugin.bench import overhead, wan
@@ -196,6 +258,15 @@ def run(n: int = 2, *, quick: bool = False, rounds: int | None = None, models: t
     size = runtime_size or (wan.QUICK if quick else wan.SIZE)
     print(f"[costs] the plan runtime's share: Wan {size} on {n} ranks", file=sys.stderr, flush=True)
     result["runtime"] = overhead.rows(overhead.measure(n, size, rounds=rounds))
+    result["compiled_runtime"] = {}
+    if names:   # with the compile rows: the runtime's Python left under torch.compile, at the same Wan
+        print(f"[costs] the plan runtime under torch.compile: Wan {size} on {n} ranks", file=sys.stderr, flush=True)
+        per_rank = spawn(_compiled_runtime_worker, n, size, rounds, timeout=1200, collective_timeout_s=300)
+        for mode in ("forward", "train"):
+            cpu = {k: _per_round_max([r[mode]["cpu"][k] for r in per_rank]) for k in ("eager", "compiled")}
+            result["compiled_runtime"][mode] = {
+                "size": size, "calls": {k: max(r[mode]["calls"][k] for r in per_rank) for k in ("eager", "compiled")},
+                "eager_cpu_s": statistics.median(cpu["eager"]), "compiled_cpu_s": statistics.median(cpu["compiled"])}
     return result
 
 
@@ -235,6 +306,15 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{r['plan_cpu_ms'] + r['mode_cpu_ms']:.2f} ms | {100 * r['total_share']:.1f}% | hooks "
                      f"{100 * r['cpu_share']:.1f}% + SDPA-level mode {100 * r['mode_share']:.1f}% ({r['mode_calls']} "
                      f"ops); hooks' wall share {100 * r['share']:.1f}% |")
+    for mode, r in result.get("compiled_runtime", {}).items():
+        layers, heads, head_dim = r["size"][:3]
+        what = "forward (a denoising step)" if mode == "forward" else "forward + backward"
+        lines.append(f"| plan runtime's Python per Wan {what} ({layers} layers, {heads} x {head_dim}): eager (A) vs "
+                     f"torch.compile aot_eager (B) | {r['calls']['eager']} calls, step CPU "
+                     f"{1e3 * r['eager_cpu_s']:.1f} ms | {r['calls']['compiled']} calls, step CPU "
+                     f"{1e3 * r['compiled_cpu_s']:.1f} ms | calls {r['calls']['compiled'] / r['calls']['eager']:.3f} | "
+                     "Python calls into dsp_plugin per step (sys.setprofile, the slowest rank's); compiled, the "
+                     "hooks run inside the graph |")
     return "\n".join(lines)
 
 
