@@ -135,6 +135,7 @@ def _compiled_runtime_worker(rank: int, n: int, size: tuple[int, ...], rounds: i
 
     quiet_third_party()
     import dsp_plugin
+    from dsp_plugin.bench.overhead import wan_step
     from dsp_plugin.bench.wan import _setup
     from dsp_plugin.topology import Topology, set_topology
 
@@ -144,12 +145,7 @@ def _compiled_runtime_worker(rank: int, n: int, size: tuple[int, ...], rounds: i
     models = {"eager": eager, "compiled": torch.compile(eager, backend="aot_eager")}
 
     def step(model: Any, mode: str) -> None:
-        if mode == "forward":
-            with torch.no_grad():
-                model(*batch, return_dict=False)
-            return
-        x = batch[0].clone().requires_grad_(True)
-        model(x, *batch[1:], return_dict=False)[0].square().mean().backward()
+        wan_step(model, batch, mode)
         eager.zero_grad(set_to_none=True)
 
     out: dict[str, Any] = {}

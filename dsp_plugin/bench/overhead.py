@@ -42,7 +42,7 @@ import torch
 
 from dsp_plugin.spawn import spawn
 
-__all__ = ["measure", "markdown", "rows"]
+__all__ = ["measure", "markdown", "rows", "wan_step"]
 
 MODES = ("forward", "train")
 
@@ -138,6 +138,16 @@ def _instrument(clock: _Clock) -> None:
     attention._HeadSwitchMode.__enter__ = entered
 
 
+def wan_step(model: Any, batch: tuple[torch.Tensor, ...], mode: str) -> None:
+    """One step of the bench's Wan: ``"forward"`` under ``no_grad`` (a denoising step), else forward + backward."""
+    if mode == "forward":
+        with torch.no_grad():
+            model(*batch, return_dict=False)
+        return
+    x = batch[0].clone().requires_grad_(True)
+    model(x, *batch[1:], return_dict=False)[0].square().mean().backward()
+
+
 def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[str, ...]) -> dict[str, Any]:
     from dsp_plugin.log import quiet_third_party
 
@@ -160,12 +170,7 @@ def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[
             d[key] = clock.timed("plan", hook, label)
 
     def step(mode: str) -> None:
-        if mode == "forward":
-            with torch.no_grad():
-                model(*batch, return_dict=False)
-            return
-        x = batch[0].clone().requires_grad_(True)
-        model(x, *batch[1:], return_dict=False)[0].square().mean().backward()
+        wan_step(model, batch, mode)
 
     out: dict[str, Any] = {}
     for mode in modes:
