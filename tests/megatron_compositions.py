@@ -103,6 +103,36 @@ def tiny_config(tp: int, pp: int, *, recompute: Recompute = False, dtype: str = 
         deallocate_pipeline_outputs=True, dsp_comm_dtype=comm_dtype, **recompute_args)
 
 
+def tiny_compile_model(n: int, *, recompute: Recompute = False, clone_grads: bool = False) -> tuple:
+    """The torch.compile tests' model on this rank of ``n`` DSP ranks: ``(model, video, (latents, timestep, text),
+    step)``. ``tiny_config``'s mixed pattern (``recompute``: its option) on T = 5 frames (uneven on 2 ranks),
+    S = 2 x 3, batch 2, built under ``cuda_shim`` (the forward runs without it); ``step(m)`` runs ``m`` (the
+    model, or a compiled one) forward and ``out.square().mean().backward()`` from zeroed gradients and returns
+    ``(out, latents' grad, [the model's parameter grads])`` (``clone_grads``: copies)."""
+    from dsp_plugin.megatron.cpu import cuda_shim
+    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
+    from dsp_plugin.megatron.steps import build_model
+
+    video = VideoShape(channels=4, frames=5, height=2, width=3)
+    with cuda_shim():  # megatron-core's CUDA queries while it builds
+        initialize_dsp_model_parallel(dsp=n, timeout_minutes=2)
+        model = build_model(tiny_config(1, 1, variant="mixed", recompute=recompute), video, text_dim=TEXT_DIM,
+                            text_len=TEXT_LEN, seed=1)
+    gen = torch.Generator().manual_seed(0)
+    latents = torch.randn(2, video.channels, video.frames, video.height, video.width, generator=gen)
+    timestep, text = torch.tensor([3.0, 7.0]), torch.randn(2, TEXT_LEN, TEXT_DIM, generator=gen)
+
+    def step(m: torch.nn.Module) -> tuple:
+        for p in model.parameters():
+            p.grad = None
+        x = latents.clone().requires_grad_(True)
+        out = m(x, timestep, text)
+        out.square().mean().backward()
+        return out.detach(), x.grad, [p.grad.clone() if clone_grads else p.grad for p in model.parameters()]
+
+    return model, video, (latents, timestep, text), step
+
+
 def dataset(steps: int, variant: str = "plain") -> Any:
     from dsp_plugin.megatron.steps import SyntheticVideoDataset
 

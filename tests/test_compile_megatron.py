@@ -105,32 +105,13 @@ def _worker(rank: int, n: int, dynamic: bool) -> dict[str, object]:
     import torch._dynamo as dynamo
     from megatron.core import parallel_state as ps
 
-    from dsp_plugin.megatron.cpu import cuda_shim
     from dsp_plugin.megatron.dsp_layer import attach_video_grid
-    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
-    from dsp_plugin.megatron.model import VideoShape
-    from dsp_plugin.megatron.steps import build_model
     from dsp_plugin.topology import set_topology
-    from tests.megatron_compositions import TEXT_DIM, TEXT_LEN, tiny_config
+    from tests.megatron_compositions import tiny_compile_model
 
     torch.set_num_threads(1)
-    video = VideoShape(channels=4, frames=5, height=2, width=3)
+    model, video, _, model_step = tiny_compile_model(n)
     grid = (video.frames, video.patches)
-    with cuda_shim():  # megatron-core's CUDA queries while it builds; the forward runs without the shim
-        initialize_dsp_model_parallel(dsp=n, timeout_minutes=2)
-        model = build_model(tiny_config(1, 1, variant="mixed"), video, text_dim=TEXT_DIM, text_len=TEXT_LEN,
-                            seed=1)
-    gen = torch.Generator().manual_seed(0)
-    latents = torch.randn(2, video.channels, video.frames, video.height, video.width, generator=gen)
-    timestep, text = torch.tensor([3.0, 7.0]), torch.randn(2, TEXT_LEN, TEXT_DIM, generator=gen)
-
-    def model_step(m: torch.nn.Module) -> tuple:
-        for p in model.parameters():
-            p.grad = None
-        x = latents.clone().requires_grad_(True)
-        out = m(x, timestep, text)
-        out.square().mean().backward()
-        return out.detach(), x.grad, [p.grad for p in model.parameters()]
 
     # every layer's inputs, as the block hands them (recorded eagerly; the hidden states re-tagged below)
     inputs = []

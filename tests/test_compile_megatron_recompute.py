@@ -46,32 +46,13 @@ def _worker(rank: int, n: int, recompute: object) -> dict[str, object]:
     from megatron.core import parallel_state as ps
     from torch._dynamo.backends.debugging import ExplainWithBackend
 
-    from dsp_plugin.megatron.cpu import cuda_shim
-    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
-    from dsp_plugin.megatron.model import VideoShape
-    from dsp_plugin.megatron.steps import build_model
     from dsp_plugin.topology import set_topology
-    from tests.megatron_compositions import TEXT_DIM, TEXT_LEN, tiny_config
+    from tests.megatron_compositions import tiny_compile_model
     from tests.test_compile_megatron import _reason
     from tests.test_compile_models import HostSyncs
 
     torch.set_num_threads(1)
-    video = VideoShape(channels=4, frames=5, height=2, width=3)
-    with cuda_shim():
-        initialize_dsp_model_parallel(dsp=n, timeout_minutes=2)
-        model = build_model(tiny_config(1, 1, variant="mixed", recompute=recompute), video, text_dim=TEXT_DIM,
-                            text_len=TEXT_LEN, seed=1)
-    gen = torch.Generator().manual_seed(0)
-    latents = torch.randn(2, video.channels, video.frames, video.height, video.width, generator=gen)
-    timestep, text = torch.tensor([3.0, 7.0]), torch.randn(2, TEXT_LEN, TEXT_DIM, generator=gen)
-
-    def step(m: torch.nn.Module) -> tuple:
-        for p in model.parameters():
-            p.grad = None
-        x = latents.clone().requires_grad_(True)
-        out = m(x, timestep, text)
-        out.square().mean().backward()
-        return out.detach(), x.grad, [p.grad.clone() for p in model.parameters()]
+    model, _, _, step = tiny_compile_model(n, recompute=recompute, clone_grads=True)
 
     saved = cuda_random.get_rng_state, cuda_random.set_rng_state
     cuda_random.get_rng_state = lambda device="cuda": torch.empty(0, dtype=torch.uint8)

@@ -83,23 +83,13 @@ def _layers_worker(rank: int, n: int) -> dict[str, object]:
     from torch._dynamo.backends.debugging import ExplainWithBackend
 
     from dsp_plugin.megatron.core_attention import SDPACoreAttention
-    from dsp_plugin.megatron.cpu import cuda_shim
     from dsp_plugin.megatron.dsp_layer import attach_video_grid
-    from dsp_plugin.megatron.groups import initialize_dsp_model_parallel
-    from dsp_plugin.megatron.model import VideoShape
-    from dsp_plugin.megatron.steps import build_model
     from dsp_plugin.topology import set_topology
-    from tests.megatron_compositions import TEXT_DIM, TEXT_LEN, tiny_config
+    from tests.megatron_compositions import tiny_compile_model
     from tests.test_compile_megatron import _reason
 
     torch.set_num_threads(1)
-    video = VideoShape(channels=4, frames=5, height=2, width=3)
-    with cuda_shim():
-        initialize_dsp_model_parallel(dsp=n, timeout_minutes=2)
-        model = build_model(tiny_config(1, 1, variant="mixed"), video, text_dim=TEXT_DIM, text_len=TEXT_LEN, seed=1)
-    gen = torch.Generator().manual_seed(0)
-    latents = torch.randn(2, video.channels, video.frames, video.height, video.width, generator=gen)
-    timestep, text = torch.tensor([3.0, 7.0]), torch.randn(2, TEXT_LEN, TEXT_DIM, generator=gen)
+    model, video, (latents, timestep, text), _ = tiny_compile_model(n)
     inputs = []
     hooks = [layer.register_forward_pre_hook(lambda m, a, k: inputs.append((m, k)), with_kwargs=True)
              for layer in model.decoder.layers]
