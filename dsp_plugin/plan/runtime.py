@@ -97,7 +97,7 @@ class _Runtime:
         io = current_io()
         group = _resolve_group(self.group, "parallelize")  # once per forward: the hooks read the frame's members
         members = (group_size(group), group_rank(group))
-        always = checks.check_mode() == "always"
+        always = not torch.compiler.is_compiling() and checks.check_mode() == "always"  # compiled: no SDPA level
         if io is not None:
             frames().append(Frame(id(self), dict(io.axes), sharded_io=True, handling=sys.exc_info()[1],
                                   members=members, check_always=always))
