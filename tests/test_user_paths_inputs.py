@@ -48,6 +48,8 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
     # alike inputs pass; under DSP_CHECK=1 a rank whose input changes later is caught on that call too
     same = torch.randn(1, 4, 3, 4, 4, generator=torch.Generator().manual_seed(9))
     out["alike"] = _error(lambda: wan(same, torch.tensor([5]), text))
+    # a signature agreed before is recognized from the call's own arguments; a new one (5 frames) is checked
+    out["new_shape"] = _error(lambda: wan(torch.randn(1, 4, 5, 4, 4, generator=mine), torch.tensor([5]), text))
     set_check_mode("always")
     try:
         out["later_call"] = _error(lambda: wan(same + rank, torch.tensor([5]), text))
@@ -63,7 +65,7 @@ def test_inputs_that_differ_across_the_group_raise_on_every_rank() -> None:
             print(f"rank {rank} {key} ({seconds:.2f} s): {message}")
         assert d["alike"][0] == "no error", d["alike"]
         for key, argument in (("wan_latents", "hidden_states"), ("cogvideox_text", "encoder_hidden_states"),
-                              ("later_call", "hidden_states")):
+                              ("new_shape", "hidden_states"), ("later_call", "hidden_states")):
             message = d[key][0]
             assert message.startswith("InputMismatch: parallelize("), (rank, key, message)
             assert f"the inputs differ across the 2 ranks of group [0, 1]: {argument} (alike on ranks [0] | [1])" \

@@ -11,7 +11,9 @@ one of several processes (``WORLD_SIZE`` > 1) with no process group it refuses t
 from __future__ import annotations
 
 import os
+import weakref
 
+import torch
 import torch.distributed as dist
 
 __all__ = ["NoProcessGroupError", "NoTopologyError", "check_launched_alone", "group_rank", "group_size",
@@ -76,9 +78,27 @@ def _resolve_group(group: dist.ProcessGroup | None, name: str = "dsp_plugin") ->
     raise NoTopologyError(no_topology_message(name))
 
 
+# a group's (size, this process's rank in it: -1 if not a member), asked of torch once per group: they are fixed
+# for the group's life, and torch's get_rank costs 5-25 us a call (on WORLD the most), on every hook and collective
+_PLACES: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, int]] = weakref.WeakKeyDictionary()
+
+
+def _place(group: dist.ProcessGroup) -> tuple[int, int]:
+    """(size, rank) of ``group``, torch's ``get_world_size`` / ``get_rank``; traced as torch's under torch.compile
+    (dynamo folds those two into constants)."""
+    if torch.compiler.is_compiling():
+        return dist.get_world_size(group), dist.get_rank(group)
+    place = _PLACES.get(group)
+    if place is None:
+        rank = dist.get_rank(group)
+        place = (dist.get_world_size(group) if rank >= 0 else -1, rank)
+        _PLACES[group] = place
+    return place
+
+
 def _group_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
     group = _resolve_group(group, "group_size")
-    return group, (1 if group is None else dist.get_world_size(group))
+    return group, (1 if group is None else _place(group)[0])
 
 
 def _member(name: str, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
@@ -86,12 +106,12 @@ def _member(name: str, group: dist.ProcessGroup | None) -> tuple[dist.ProcessGro
     group = _resolve_group(group, name)
     if group is None:
         return None, 1, 0
-    rank = dist.get_rank(group)
+    size, rank = _place(group)
     if rank < 0:
         raise ValueError(f"{name}: this process (global rank {dist.get_rank()}) is not a member of the group "
                          f"it was given (ranks {dist.get_process_group_ranks(group)}); expected a group that "
                          f"contains this rank, or group=None for the DSP group")
-    return group, dist.get_world_size(group), rank
+    return group, size, rank
 
 
 def group_size(group: dist.ProcessGroup | None = None) -> int:
@@ -102,4 +122,4 @@ def group_size(group: dist.ProcessGroup | None = None) -> int:
 def group_rank(group: dist.ProcessGroup | None = None) -> int:
     """This process's rank inside ``group``; 0 without torch.distributed."""
     group = _resolve_group(group, "group_rank")
-    return 0 if group is None else dist.get_rank(group)
+    return 0 if group is None else _place(group)[1]

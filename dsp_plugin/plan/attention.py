@@ -59,7 +59,9 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from dsp_plugin.comm import chunk_sizes, group_rank, group_size
+from dsp_plugin.head_switch import exchange
 from dsp_plugin.plan import recompute
+from dsp_plugin.plan.frames import current_block
 from dsp_plugin.plan.masks import check_mask, gather_key_padding, is_key_padding, place_mask
 
 __all__ = ["HeadsCall", "current_call", "enter_heads", "exit_heads"]
@@ -81,21 +83,24 @@ class HeadsCall:
 
     def __init__(self, where: str, lengths: list[tuple[int, int]], axis: int, group: Any,
                  joint: str | None = None, comm_dtype: object = None, exact: tuple[str, ...] = (),
-                 io_masks: dict[int, tuple[Any, Any]] | None = None, *, sdpa: bool = True) -> None:
-        self.where, self.lengths, self.axis, self.group, self.joint = where, lengths, axis, group, joint
-        self.local, self.full = [a for a, _ in lengths], [b for _, b in lengths]
-        self.mine, self.total = math.prod(self.local), math.prod(self.full)
-        self.n, self.rank = group_size(group), group_rank(group)
-        # the axes the switch sees: the sharded one unfolded from the others; when it is the outermost and
-        # splits evenly, this rank's tokens are one even block of the folded sequence (the same elements in the
-        # same order), so the folded sequence switches as one axis, without views to unfold and fold it
-        even = axis == 0 and self.full[0] % self.n == 0
-        self.switch_local, self.switch_full, self.switch_axis = \
-            ([self.mine], [self.total], 0) if even else (self.local, self.full, axis)
+                 io_masks: dict[int, tuple[Any, Any]] | None = None, *, sdpa: bool = True,
+                 members: tuple[int, int] | None = None) -> None:
+        n, rank = (group_size(group), group_rank(group)) if members is None else members
+        if torch.compiler.is_compiling():  # traced once; the lengths may be symbolic (dynamic=True): no cache
+            fixed = _fixed(where, lengths, axis, n, rank, joint, comm_dtype, exact)
+        else:  # the group itself is not kept (a destroyed one would stay alive): its size and place are
+            key = (where, tuple(lengths), axis, n, rank, joint, comm_dtype, exact)
+            fixed = _FIXED.get(key)
+            if fixed is None:  # the first call of this placement: what it fixes, kept for the next calls
+                fixed = _fixed(where, lengths, axis, n, rank, joint, comm_dtype, exact)
+                if len(_FIXED) >= _FIXED_LIMIT:
+                    _FIXED.clear()
+                _FIXED[key] = fixed
+        self.__dict__.update(fixed)
+        self.group = group
         # under sharded_io, sharded on the axis the model is fed shards of: the forward's cache of key-padding
         # masks laid out for the global sequence, by the mask's identity (plan/masks.py); None otherwise
         self.io_masks = io_masks
-        self.comm_dtype, self.exact = comm_dtype, exact  # the payload (comm/payload.py); Heads(exact=...)
         self.attended = 0        # attention calls intercepted in this module call (each its own replay key)
         self.via_sdpa = 0        # of them, through the SDPA level (the rest through diffusers' dispatch)
         self.in_kernel = False   # a kernel is running: the SDPA it calls itself is not switched again
@@ -111,18 +116,29 @@ class HeadsCall:
         diffusers' dispatch: 1, 2). ``error``: the caller's own refusal, raised on
         every rank through ``to_heads``' check, like every error found here.
         """
-        from dsp_plugin.head_switch.exchange import _to_heads, from_heads, head_ranges
-
         call, self.attended = self.attended, self.attended + 1
         heads, mine, total, axis = q.shape[head], self.mine, self.total, self.switch_axis
         local, full = self.switch_local, self.switch_full
         width, count = len(local), q.shape[seq] - mine
+        compiling = torch.compiler.is_compiling()  # traced once, maybe with symbolic shapes: nothing cached
         if error is None:
-            error = self._check(q, k, mask, seq, head, count, total)
+            # a shape seen before without a mask passed the same checks: not checked again
+            seen = (q.shape, k.shape, seq, head) if mask is None and not compiling else None
+            if seen is None or seen not in self.checked:
+                error = self._check(q, k, mask, seq, head, count, total)
+                if error is None and seen is not None:
+                    self.checked.add(seen)
         if error is not None:  # raised on every rank, by to_heads' check before its all-to-all
-            _to_heads(q, k, v, seq_dim=seq, head_dim=head, group=self.group, global_len=None, replicated=None,
-                      error=error)
+            exchange._to_heads(q, k, v, seq_dim=seq, head_dim=head, group=self.group, global_len=None,
+                               replicated=None, error=error)
             raise error
+        mine_heads = None if compiling else self.heads_of.get(heads)
+        if mine_heads is None:
+            mine_heads = exchange.head_ranges(heads, self.n)[self.rank]
+            if not compiling:
+                self.heads_of[heads] = mine_heads
+        if width == 1 and not self.joint and mask is None:
+            return self._attend_plain(kernel, q, k, v, seq, head, heads, mine_heads, call)
         # the switch runs on the sharded axis of the unfolded sequence: [.., *lengths, ..]
         sharded, head_at = seq + axis, head + (width - 1 if head > seq else 0)
         first = self.joint == "first"
@@ -130,11 +146,11 @@ class HeadsCall:
         own = tuple(_unfolded(t if count == 0 else t.narrow(seq, own_at, mine), seq, local) for t in (q, k, v))
         whole = [count if i == axis else 1 for i in range(width)]  # R tokens on the sharded axis
         text = tuple(t.narrow(seq, text_at, count).unflatten(seq, whole) for t in (q, k, v)) if self.joint else ()
-        switched = recompute.replay((self.where, "to_heads", call), lambda *qkv: _to_heads(
+        switched = recompute.replay((self.where, "to_heads", call), lambda *qkv: exchange._to_heads(
             *qkv[:3], seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[axis],
             replicated=qkv[3:] or None, comm_dtype=self.comm_dtype,
-            exact=tuple(e for e in self.exact if e != "out")), *own, *text)
-        out_dtype = None if "out" in self.exact else self.comm_dtype
+            exact=self.exact_in), *own, *text)
+        out_dtype = self.out_dtype
 
         def joined(tokens: torch.Tensor, text: torch.Tensor | None) -> torch.Tensor:
             tokens = tokens.flatten(seq, seq + width - 1) if width > 1 else tokens
@@ -146,7 +162,6 @@ class HeadsCall:
         q, k, v = (joined(t, switched[i + 3] if self.joint else None) for i, t in enumerate(switched[:3]))
         if self.io_masks is not None and is_key_padding(mask) and self.n > 1:
             mask = self._io_mask(mask, count)  # every rank, a headless one too: a collective
-        mine_heads = head_ranges(heads, self.n)[self.rank]
         if mine_heads[1] == 0:  # more ranks than heads: nothing to attend here (some kernels divide by the heads);
             out = v.clone()     # an empty output still in the graph, so this rank's backward meets its peers'
         else:
@@ -157,15 +172,36 @@ class HeadsCall:
                 self.in_kernel = False
         own_out = _unfolded(out if count == 0 else out.narrow(seq, count if first else 0, total), seq, full)
         if not self.joint:
-            out = recompute.replay((self.where, "from_heads", call), lambda o: from_heads(
+            out = recompute.replay((self.where, "from_heads", call), lambda o: exchange.from_heads(
                 o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[axis], heads=heads,
                 comm_dtype=out_dtype), own_out)
             return out.flatten(seq, seq + width - 1) if width > 1 else out
         text_out = out.narrow(seq, 0 if first else total, count).unflatten(seq, whole)
-        out, text_out = recompute.replay((self.where, "from_heads", call), lambda o, o_t: from_heads(
+        out, text_out = recompute.replay((self.where, "from_heads", call), lambda o, o_t: exchange.from_heads(
             o, seq_dim=sharded, head_dim=head_at, group=self.group, global_len=full[axis], heads=heads,
             replicated=o_t, comm_dtype=out_dtype), own_out, text_out)
         return joined(out, text_out)
+
+    def _attend_plain(self, kernel: Kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: int, head: int,
+                      heads: int, mine_heads: tuple[int, int], call: int) -> torch.Tensor:
+        """``attend`` where q, k, v switch as they are: the sequence one axis (or a fold that splits evenly), no
+        replicated tokens, no mask. The same collectives and kernel as the general path, without its views."""
+        full, comm_dtype, group = self.switch_full[0], self.comm_dtype, self.group
+        exact = self.exact_in
+        q, k, v = recompute.replay((self.where, "to_heads", call), lambda q, k, v: exchange._to_heads(
+            q, k, v, seq_dim=seq, head_dim=head, group=group, global_len=full, replicated=None,
+            comm_dtype=comm_dtype, exact=exact), q, k, v)
+        if mine_heads[1] == 0:  # as in attend
+            out = v.clone()
+        else:
+            self.in_kernel = True
+            try:
+                out = kernel(q, k, v, None)
+            finally:
+                self.in_kernel = False
+        out_dtype = self.out_dtype
+        return recompute.replay((self.where, "from_heads", call), lambda o: exchange.from_heads(
+            o, seq_dim=seq, head_dim=head, group=group, global_len=full, heads=heads, comm_dtype=out_dtype), out)
 
     def _io_mask(self, mask: torch.Tensor, count: int) -> torch.Tensor:
         """A key-padding mask the model built under ``sharded_io`` (from its ``R + L_local`` tokens, or for
@@ -203,6 +239,29 @@ class HeadsCall:
 def _unfolded(t: torch.Tensor, dim: int, lengths: list[int]) -> torch.Tensor:
     """``t`` with dim ``dim`` unfolded into ``lengths`` (a dim of one axis as it is)."""
     return t.unflatten(dim, lengths) if len(lengths) > 1 else t
+
+
+_FIXED: dict[tuple[Any, ...], dict[str, Any]] = {}  # a Heads placement -> what it fixes (HeadsCall.__init__)
+_FIXED_LIMIT = 1024
+
+
+def _fixed(where: str, lengths: list[tuple[int, int]], axis: int, n: int, rank: int,
+           joint: str | None, comm_dtype: object, exact: tuple[str, ...]) -> dict[str, Any]:
+    """A ``HeadsCall``'s attributes that its placement fixes: the same for every call of the module at one grid."""
+    local, full = [a for a, _ in lengths], [b for _, b in lengths]
+    mine, total = math.prod(local), math.prod(full)
+    # the axes the switch sees: the sharded one unfolded from the others; when it is the outermost and
+    # splits evenly, this rank's tokens are one even block of the folded sequence (the same elements in the
+    # same order), so the folded sequence switches as one axis, without views to unfold and fold it
+    even = axis == 0 and full[0] % n == 0
+    switch = ([mine], [total], 0) if even else (local, full, axis)
+    return {"where": where, "lengths": lengths, "axis": axis, "joint": joint, "local": local,
+            "full": full, "mine": mine, "total": total, "n": n, "rank": rank, "switch_local": switch[0],
+            "switch_full": switch[1], "switch_axis": switch[2], "comm_dtype": comm_dtype, "exact": exact,
+            "exact_in": tuple(e for e in exact if e != "out"),  # the payload's exceptions into the switch
+            "out_dtype": None if "out" in exact else comm_dtype,  # and out of it
+            "checked": set(),  # (q shape, k shape, seq, head) whose unmasked call passed _check
+            "heads_of": {}}  # heads -> this rank's (first, count)
 
 
 class _HeadSwitchMode(TorchFunctionMode):
@@ -255,22 +314,22 @@ def current_call() -> HeadsCall | None:
 
 def enter_heads(where: str, group: Any, joint: str | None = None, *, comm_dtype: object = None,
                 exact: tuple[str, ...] = (), io: tuple[str | None, dict[int, Any]] | None = None,
-                sdpa: bool = True) -> None:
+                sdpa: bool = True, members: tuple[int, int] | None = None) -> None:
     """Open a ``Heads`` module call. ``io``: under ``sharded_io``, the axis the model is fed shards of and the
     forward's mask cache (a key-padding mask built from the shard is laid out when the call is sharded there).
-    ``sdpa=False``: without the SDPA level (the caller knows the module attends through diffusers' dispatch)."""
-    from dsp_plugin.plan.frames import current_block
-
+    ``sdpa=False``: without the SDPA level (the caller knows the module attends through diffusers' dispatch).
+    ``members``: the group's (size, this rank's place), when the caller resolved them for this forward."""
     block = current_block()
     if block is None:
         raise ValueError(f"{where}: a Heads module must run inside a Block of the plan (its placement gives "
                          f"the global sequence length)")
     grid, shard, lay = block
     names = lay.dims[lay.dim_of(shard)]
-    n, rank = group_size(group), group_rank(group)
+    n, rank = (group_size(group), group_rank(group)) if members is None else members
     lengths = [(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a], grid[a]) for a in names]
     io_masks = io[1] if io is not None and io[0] == shard else None
-    call = HeadsCall(where, lengths, names.index(shard), group, joint, comm_dtype, exact, io_masks, sdpa=sdpa)
+    call = HeadsCall(where, lengths, names.index(shard), group, joint, comm_dtype, exact, io_masks, sdpa=sdpa,
+                     members=(n, rank))
     # under torch.compile only diffusers' dispatch is intercepted: dynamo cannot trace a TorchFunctionMode
     # entered outside a ``with``; a model that calls SDPA directly then ends its Heads call unswitched,
     # which exit_heads refuses (never a silent local attention)

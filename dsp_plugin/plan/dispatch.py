@@ -48,11 +48,17 @@ __all__ = ["check_model", "install", "wrapped"]
 _QKV = ("query", "key", "value")
 
 
+_REGISTRY: list[Any] = []  # diffusers' registry class once imported (or None without diffusers)
+
+
 def _registry() -> Any:
+    if _REGISTRY:
+        return _REGISTRY[0]
     try:
         from diffusers.models.attention_dispatch import _AttentionBackendRegistry
     except ImportError:  # diffusers is optional: no dispatch to wrap
-        return None
+        return None  # not remembered: diffusers may be installed in this process later
+    _REGISTRY.append(_AttentionBackendRegistry)
     return _AttentionBackendRegistry
 
 
@@ -62,7 +68,7 @@ def wrapped(fn: Any) -> bool:
 
 
 def _refusal(name: str, kwargs: dict[str, Any], where: str) -> ValueError | None:
-    if any(arg not in kwargs for arg in _QKV):
+    if "query" not in kwargs or "key" not in kwargs or "value" not in kwargs:
         return ValueError(f"{where}: attention backend {name!r} takes {sorted(kwargs)}; the head switch wraps "
                           f"backends called with query, key, value [B, L, H, Dh] (diffusers' signature)")
     if kwargs.get("_parallel_config") is not None:
@@ -86,7 +92,7 @@ def _wrap_backend(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         if args:  # dispatch_attention_fn passes keywords only; a direct caller may not
             kwargs = dict(zip(inspect.signature(fn).parameters, args)) | kwargs
         error = _refusal(label, kwargs, call.where)
-        q, k, v = (kwargs.get(a) for a in _QKV)
+        q, k, v = kwargs.get("query"), kwargs.get("key"), kwargs.get("value")
         if error is not None and not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
             raise error  # nothing to agree on: the same on every rank (the model's code, not its data)
 

@@ -44,6 +44,8 @@ class Frame:
     io_shard: str | None = None  # under sharded_io: the axis the caller's shards are on (returned on it)
     handling: BaseException | None = None  # the exception being handled where the forward was called, if any
     masks: dict[int, Any] = field(default_factory=dict)  # under sharded_io: key-padding masks laid out (Heads)
+    members: tuple[int, int] | None = None  # the plan's group: (size, this rank's place), resolved for this forward
+    check_always: bool = False  # DSP_CHECK=1 (checks.check_mode), read once for this forward
 
 
 class sharded_io:  # noqa: N801 - used as a context manager, like torch.no_grad

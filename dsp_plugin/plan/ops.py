@@ -33,12 +33,23 @@ from dsp_plugin.plan.spec import Layout
 __all__ = ["infer_grid", "plan_gather", "plan_split", "plan_switch", "read_spec", "scale_grad", "spec_for"]
 
 
+_SPECS: dict[tuple[Any, ...], carrier.ShardSpec] = {}  # tags are immutable: one object per placement
+
+
 def spec_for(lay: Layout, grid: dict[str, int], shard: str) -> carrier.ShardSpec:
     """The carrier's tag of a tensor in ``lay`` sharded on axis ``shard``."""
     dim = lay.dim_of(shard)
     names = lay.dims[dim]
     lengths = tuple([grid[a] for a in names])
-    return carrier.ShardSpec(dim, math.prod(lengths), lengths, names.index(shard))
+    key = (dim, lengths, names.index(shard))
+    if torch.compiler.is_compiling():  # the lengths may be symbolic (dynamic=True): no cache
+        return carrier.ShardSpec(dim, math.prod(lengths), lengths, key[2])
+    spec = _SPECS.get(key)
+    if spec is None:
+        if len(_SPECS) >= 4096:
+            _SPECS.clear()
+        spec = _SPECS[key] = carrier.ShardSpec(dim, math.prod(lengths), lengths, key[2])
+    return spec
 
 
 def read_spec(x: torch.Tensor, lay: Layout) -> tuple[dict[str, int], str] | None:

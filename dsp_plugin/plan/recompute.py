@@ -209,13 +209,15 @@ def replay(key: Any, fn: Callable[..., Any], *inputs: Any, enabled: bool = True,
     """
     if not enabled or torch.compiler.is_compiling():  # a compiled region's recompute is AOTAutograd's own
         return fn(*inputs)
-    if _backward_running():
+    if torch._C._current_graph_task_id() != -1:  # _backward_running(), inlined: on every collective
         entry = _take(key)
         if entry is None:
             return fn(*inputs)
         out = _Replay.apply(entry, *inputs)
         return out[0] if entry.single else out
-    _drop_ended_tails()
+    gen = _current
+    if gen is not None and gen.tails:  # read without the lock: _drop_ended_tails takes it
+        _drop_ended_tails()
     out = fn(*inputs)
     if torch.is_grad_enabled() and _pack_hook() is not None:
         _keep(key, inputs, out, tail)

@@ -31,11 +31,13 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from dsp_plugin import checks, every_gradient, failures
 from dsp_plugin import layout as carrier
 from dsp_plugin.comm import agree_inputs, chunk_sizes, group_rank, group_size
+from dsp_plugin.comm.agree import _structure
 from dsp_plugin.comm.group_resolution import _resolve_group
 from dsp_plugin.plan import dispatch, ops, recompute
 from dsp_plugin.plan.args import Args as _Args
@@ -80,20 +82,30 @@ class _Runtime:
                 return f
         return None
 
+    def members(self, frame: Frame | None) -> tuple[int, int]:
+        """The plan's group: (size, this rank's place), as resolved for the forward in progress (``frame``), or
+        now (a recompute under activation checkpointing runs without a frame)."""
+        if frame is not None and frame.members is not None:
+            return frame.members
+        return group_size(self.group), group_rank(self.group)
+
     def root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         recompute.forward_starts()  # kept collective outputs belong to one forward (plan/recompute.py)
         if self.heads:
             dispatch.install()  # a diffusers backend registered after parallelize is wrapped too
         a = _Args(module, args, kwargs)
         io = current_io()
+        group = _resolve_group(self.group, "parallelize")  # once per forward: the hooks read the frame's members
+        members = (group_size(group), group_rank(group))
+        always = not torch.compiler.is_compiling() and checks.check_mode() == "always"  # compiled: no SDPA level
         if io is not None:
-            frames().append(Frame(id(self), dict(io.axes), sharded_io=True, handling=sys.exc_info()[1]))
+            frames().append(Frame(id(self), dict(io.axes), sharded_io=True, handling=sys.exc_info()[1],
+                                  members=members, check_always=always))
             return
         # replicated inputs (not a model inside another's); a compiled call is not checked: the check is a host
         # sync, and the same inputs' first eager call (or an eager run under DSP_CHECK=1) checks them
         if not torch.compiler.is_compiling() and not any(isinstance(f, Frame) for f in frames()):
-            agree_inputs(f"parallelize({type(module).__name__})", dict(a.bound.arguments),
-                         group=_resolve_group(self.group, "parallelize"), hint=INPUT_HINT)
+            self.check_inputs(module, a, group)
         grid = {}
         for axis, (name, dim) in self.grid.axes.items():
             value = a.get(name)
@@ -101,7 +113,21 @@ class _Runtime:
                 raise ValueError(f"parallelize: the plan's Grid reads {axis} from argument {name!r}, which is "
                                  f"{type(value).__name__}; expected a tensor")
             grid[axis] = value.shape[dim]
-        frames().append(Frame(id(self), grid, handling=sys.exc_info()[1]))
+        frames().append(Frame(id(self), grid, handling=sys.exc_info()[1], members=members, check_always=always))
+
+    def check_inputs(self, module: nn.Module, a: _Args, group: Any) -> None:
+        """Every rank was given the same inputs (``agree_inputs``), when ``checks`` says so: by default once per
+        signature. A signature already agreed is recognized from the call's own arguments, without binding
+        them to the forward's parameters (a ``inspect`` call, on every forward)."""
+        if group is None or not dist.is_initialized():
+            return  # one process: nothing to agree (agree_inputs returns at once too)
+        name = f"parallelize({type(module).__name__})"
+        seen = ("plan inputs", name, tuple(dist.get_process_group_ranks(group)),
+                tuple(_structure(v) for v in a.args), tuple((k, _structure(v)) for k, v in a.kwargs.items()))
+        if not checks.needs_check_for(seen):
+            return
+        agree_inputs(name, dict(a.bound.arguments), group=group, hint=INPUT_HINT)
+        checks.remember(seen)
 
     def root_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         stack = frames()
@@ -114,7 +140,7 @@ class _Runtime:
             return output
         if output is None or (frame is not None and frame.sharded_io):
             return output
-        n = group_size(self.group)
+        n = self.members(frame)[0]
         return _map_tensors(output, lambda t: ops.scale_grad(t, 1.0 / n))
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Runtime:
@@ -152,15 +178,7 @@ class _Runtime:
             elif isinstance(spec, Block):
                 block = self.block_pre(path, a, spec)
             elif isinstance(spec, Heads):
-                frame = self.frame()
-                io = (frame.io_shard, frame.masks) if frame is not None and frame.sharded_io else None
-                # the SDPA level (never under torch.compile: enter_heads): unless the module is known to attend
-                # through diffusers' dispatch alone (``_learn``); DSP_CHECK=1: at every call
-                sdpa = not torch.compiler.is_compiling() and (
-                    self.via_dispatch.get(path, _UNSEEN) is not getattr(module, "processor", None)
-                    or checks.check_mode() == "always")
-                enter_heads(path, self.group, spec.joint, comm_dtype=self.comm_dtype, exact=spec.exact, io=io,
-                            sdpa=sdpa)
+                self.heads_enter(path, spec, module)
             elif isinstance(spec, Gather) and spec.arg != "out":
                 a.set(spec.arg, self.gather(f"{path}: Gather({spec.arg!r})", a.get(spec.arg), spec))
             elif isinstance(spec, OnShard):
@@ -183,13 +201,7 @@ class _Runtime:
         error: Exception | None = None
         for spec in reversed(specs):
             if isinstance(spec, Heads):
-                try:
-                    call = exit_heads()
-                except RuntimeError as exc:  # raised after the other specs closed what they opened
-                    error = exc
-                    self.via_dispatch.pop(path, None)
-                else:
-                    self._learn(path, module, call)
+                error = self.heads_exit(path, module)  # raised after the other specs closed what they opened
         for spec in reversed(specs):
             if isinstance(spec, Block):
                 output = self.block_post(path, spec, output)
@@ -203,6 +215,53 @@ class _Runtime:
         if error is not None:
             raise error
         return output
+
+    def heads_enter(self, path: str, spec: Heads, module: nn.Module) -> None:
+        frame = self.frame()
+        io = (frame.io_shard, frame.masks) if frame is not None and frame.sharded_io else None
+        # the SDPA level (never under torch.compile: enter_heads): unless the module is known to attend
+        # through diffusers' dispatch alone (``_learn``); DSP_CHECK=1: at every call
+        sdpa = not torch.compiler.is_compiling() and (
+            self.via_dispatch.get(path, _UNSEEN) is not getattr(module, "processor", None)
+            or (frame.check_always if frame is not None else checks.check_mode() == "always"))
+        enter_heads(path, self.group, spec.joint, comm_dtype=self.comm_dtype, exact=spec.exact, io=io,
+                    sdpa=sdpa, members=self.members(frame))
+
+    def heads_exit(self, path: str, module: nn.Module) -> RuntimeError | None:
+        """Close the module's ``Heads`` call; its refusal (no attention intercepted) is returned, not raised."""
+        try:
+            call = exit_heads()
+        except RuntimeError as exc:
+            self.via_dispatch.pop(path, None)
+            return exc
+        self._learn(path, module, call)
+        return None
+
+    # a module whose only spec is ``Heads`` (every attention of a full-3D model): its hooks without the loops
+    def heads_pre(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> None:
+        self.heads_enter(path, specs[0], module)
+
+    def heads_post(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...],
+                   kwargs: dict[str, Any], output: Any) -> Any:
+        error = self.heads_exit(path, module)
+        if error is not None:
+            raise error
+        return output
+
+    # a module whose only spec is ``Block`` (every block of a model): the same, without the loops
+    def block_only_pre(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+        a = _Args(module, args, kwargs)
+        block = self.block_pre(path, a, specs[0])
+        if block["empty"]:
+            block["mode"] = EmptyShardMode()  # as in ``pre``
+            block["mode"].__enter__()
+        return a.out() if a.changed else None
+
+    def block_only_post(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...],
+                        kwargs: dict[str, Any], output: Any) -> Any:
+        return self.block_post(path, specs[0], output)
 
     def _learn(self, path: str, module: nn.Module, call: Any) -> None:
         """After a ``Heads`` call: whether the module attends through diffusers' dispatch alone.
@@ -268,7 +327,7 @@ class _Runtime:
     def block_pre(self, path: str, a: _Args, spec: Block) -> dict[str, Any]:
         """Place the block's activation (switching it when the block attends the sharded axis); return the
         state of its ``("block", ...)`` frame (``pre`` opens ``EmptyShardMode`` there on an empty shard)."""
-        x = a.get(spec.arg)
+        x = original = a.get(spec.arg)
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{path}: the block's activation {a.name(spec.arg)!r} is {type(x).__name__}; "
                              f"expected a tensor (set Block.arg)")
@@ -296,7 +355,8 @@ class _Runtime:
             x = ops.plan_switch(path, x, spec.layout, grid, shard, spec.then, self.group,
                                 comm_dtype=None if spec.exact else self.comm_dtype)
             shard = spec.then
-        a.set(spec.arg, x)
+        if x is not original:  # switched; else the call's own argument stands (tagged in place)
+            a.set(spec.arg, x)
         for name, rows in spec.follow.items():
             c = a.get(name)
             if isinstance(c, torch.Tensor) and shard in rows.axes:
@@ -326,10 +386,14 @@ class _Runtime:
 
     def block_post(self, path: str, spec: Block, output: Any) -> Any:
         stack = frames()
-        entry = next((f for f in reversed(stack) if isinstance(f, tuple) and f[1] is spec), None)
-        if entry is None:
-            return output
-        stack.remove(entry)
+        entry = stack[-1] if stack else None  # the block's own frame is the innermost one (unless a hook failed)
+        if isinstance(entry, tuple) and entry[1] is spec:
+            stack.pop()
+        else:
+            entry = next((f for f in reversed(stack) if isinstance(f, tuple) and f[1] is spec), None)
+            if entry is None:
+                return output
+            stack.remove(entry)
         _, _, grid, shard, state = entry
         if state["mode"] is not None:
             state["mode"].__exit__(None, None, None)
@@ -359,9 +423,12 @@ class _Hook:
 
     def __init__(self, runtime: _Runtime, kind: str, path: str, specs: list[Any]) -> None:
         self.runtime, self.kind, self.path, self.specs = runtime, kind, path, specs
+        only = specs[0] if len(specs) == 1 else None  # one spec: its own hook, without the general loops
+        prefix = "heads_" if isinstance(only, Heads) else "block_only_" if isinstance(only, Block) else ""
+        self.fn = getattr(runtime, prefix + kind)
 
     def __call__(self, module: nn.Module, *args: Any) -> Any:
-        return getattr(self.runtime, self.kind)(self.path, self.specs, module, *args)
+        return self.fn(self.path, self.specs, module, *args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
         return _Hook(copy.deepcopy(self.runtime, memo), self.kind, self.path, self.specs)

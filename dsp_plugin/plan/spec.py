@@ -59,15 +59,17 @@ class Layout:
             raise ValueError(f"layout {text!r}: an axis name appears twice")
         return Layout(tuple(dims))
 
-    @property
-    def axes(self) -> tuple[str, ...]:
-        return tuple(a for d in self.dims for a in d)
+    def __post_init__(self) -> None:  # looked up by every hook: computed once (not dataclass fields)
+        object.__setattr__(self, "axes", tuple(a for d in self.dims for a in d))
+        object.__setattr__(self, "_dims_of", {a: i for i, d in enumerate(self.dims) for a in d})
+
+    axes: tuple[str, ...] = field(init=False, repr=False, compare=False)  # every axis name, in order
 
     def dim_of(self, axis: str) -> int:
-        for i, d in enumerate(self.dims):
-            if axis in d:
-                return i
-        raise ValueError(f"axis {axis!r} is not in layout {self}")
+        dim = self._dims_of.get(axis)
+        if dim is None:
+            raise ValueError(f"axis {axis!r} is not in layout {self}")
+        return dim
 
     def __str__(self) -> str:
         return " ".join(d[0] if len(d) == 1 else "(" + " ".join(d) + ")" for d in self.dims)
