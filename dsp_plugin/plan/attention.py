@@ -88,7 +88,7 @@ class HeadsCall:
         n, rank = (group_size(group), group_rank(group)) if members is None else members
         if torch.compiler.is_compiling():  # traced once; the lengths may be symbolic (dynamic=True): no cache
             fixed = _fixed(where, lengths, axis, n, rank, joint, comm_dtype, exact)
-        else:  # the group itself is not kept (a destroyed one would stay alive): its size and place are
+        else:  # keyed by the group's size and this rank's place, not the group (a destroyed one would stay alive)
             key = (where, tuple(lengths), axis, n, rank, joint, comm_dtype, exact)
             fixed = _FIXED.get(key)
             if fixed is None:  # the first call of this placement: what it fixes, kept for the next calls
