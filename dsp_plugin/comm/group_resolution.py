@@ -88,12 +88,18 @@ def _place(group: dist.ProcessGroup) -> tuple[int, int]:
     (dynamo folds those two into constants)."""
     if torch.compiler.is_compiling():
         return dist.get_world_size(group), dist.get_rank(group)
-    place = _PLACES.get(group)
+    try:
+        place = _PLACES.get(group)
+    except TypeError:  # not weak-referenceable: torch's NON_GROUP_MEMBER (an int) on a rank outside the group
+        return _asked(group)
     if place is None:
-        rank = dist.get_rank(group)
-        place = (dist.get_world_size(group) if rank >= 0 else -1, rank)
-        _PLACES[group] = place
+        place = _PLACES[group] = _asked(group)
     return place
+
+
+def _asked(group: dist.ProcessGroup) -> tuple[int, int]:
+    rank = dist.get_rank(group)
+    return (dist.get_world_size(group) if rank >= 0 else -1), rank
 
 
 def _group_and_size(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int]:
