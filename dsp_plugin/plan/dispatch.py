@@ -48,7 +48,7 @@ __all__ = ["check_model", "install", "wrapped"]
 _QKV = ("query", "key", "value")
 
 
-_REGISTRY: list[Any] = []  # diffusers' registry class once imported (or None without diffusers)
+_REGISTRY: list[Any] = []  # diffusers' registry class, once imported
 
 
 def _registry() -> Any:

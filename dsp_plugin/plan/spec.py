@@ -59,7 +59,7 @@ class Layout:
             raise ValueError(f"layout {text!r}: an axis name appears twice")
         return Layout(tuple(dims))
 
-    def __post_init__(self) -> None:  # looked up by every hook: computed once (not dataclass fields)
+    def __post_init__(self) -> None:  # looked up by every hook: computed once (neither is compared or hashed)
         object.__setattr__(self, "axes", tuple(a for d in self.dims for a in d))
         object.__setattr__(self, "_dims_of", {a: i for i, d in enumerate(self.dims) for a in d})
 
