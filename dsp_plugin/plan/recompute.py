@@ -209,7 +209,7 @@ def replay(key: Any, fn: Callable[..., Any], *inputs: Any, enabled: bool = True,
     """
     if not enabled or torch.compiler.is_compiling():  # a compiled region's recompute is AOTAutograd's own
         return fn(*inputs)
-    if torch._C._current_graph_task_id() != -1:  # _backward_running(), inlined: on every collective
+    if _backward_running():
         entry = _take(key)
         if entry is None:
             return fn(*inputs)
