@@ -1,0 +1,142 @@
+"""The plan runtime's cost, A/B: the bench's Wan parallelized by its plan against the same Wan made parallel by hand.
+
+    python -m dsp_plugin.bench.overhead --against-hand [--size L,H,D,F,HW] [--rounds 30]
+
+The hand-written model is what a user would write without ``parallelize``: the
+paper's functions called where ``WAN_PLAN`` puts its hooks, and nothing else (no
+frames, tags read back, placement checks or argument binding):
+
+- ``rope``'s (cos, sin) and the first block's tokens ``dsp_plugin.split`` on the
+  token dim (whole frames: the bench's frame counts divide by N);
+- every self-attention ``to_heads`` -> diffusers' own backend -> ``from_heads``,
+  at diffusers' ``dispatch_attention_fn`` as Wan's processor calls it (text
+  cross-attention, whose keys are not the video's tokens, passes through);
+- ``proj_out``'s output ``dsp_plugin.gather`` on the token dim.
+
+So the difference of the two forwards' times is the runtime's own Python over the
+paper's API: an independent check of ``overhead``'s clock, which times the
+runtime's pieces from inside. ``tests/test_bench_hand_wan.py`` shows the two models
+give the one-process output on 2 gloo ranks (equal computations).
+
+Timed as the overhead bench times the runtime: N gloo ranks on the CPU, fp32, one forward
+under ``no_grad`` (a denoising step), CPU time of each rank's thread (waits in a collective
+left out). Rounds of a few forwards alternate the two models on every rank; per rank the
+median and the minimum over the rounds, and the share of the plan's forward that the
+difference is; the largest rank's figures are reported. The minimum is the quieter estimate
+(noise only adds time), the median the typical forward's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import statistics
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["hand_parallel", "markdown", "measure_against_hand"]
+
+
+def hand_parallel(reference: Any, size: tuple[int, ...], group: Any = None) -> tuple[Any, Any]:
+    """A copy of the bench's Wan (``bench.wan._setup(size)``'s model) parallel by hand on ``group``, and the
+    context its forwards run in (the head switch at diffusers' dispatch, for this model's calls only)."""
+    import diffusers.models.transformers.transformer_wan as wan
+
+    from dsp_plugin import gather, split
+    from dsp_plugin.head_switch import from_heads, to_heads
+
+    model = copy.deepcopy(reference)
+    frames, hw, heads = size[3], (size[4] // 2) ** 2, size[1]
+    tokens = frames * hw
+    rope, first, proj_out = model.rope.forward, model.blocks[0].forward, model.proj_out.forward
+    model.rope.forward = lambda x: tuple(split(t, 1, group=group) for t in rope(x))
+    model.blocks[0].forward = lambda x, *args, **kwargs: first(split(x, 1, group=group), *args, **kwargs)
+    model.proj_out.forward = lambda x: gather(proj_out(x), 1, group=group, global_len=tokens)
+    original = wan.dispatch_attention_fn
+
+    def dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if key.shape[1] != query.shape[1]:  # cross-attention to the text: local
+            return original(query, key, value, **kwargs)
+        q, k, v = to_heads(query, key, value, seq_dim=1, head_dim=2, group=group, global_len=tokens)
+        out = original(q, k, v, **kwargs)
+        return from_heads(out, seq_dim=1, head_dim=2, group=group, global_len=tokens, heads=heads)
+
+    @contextlib.contextmanager
+    def running() -> Iterator[None]:
+        wan.dispatch_attention_fn = dispatch
+        try:
+            yield
+        finally:
+            wan.dispatch_attention_fn = original
+
+    return model, running
+
+
+def measure_against_hand(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 30,
+                         per_round: int = 5) -> dict[str, Any]:
+    """CPU ms per forward of the plan's Wan and of the hand-written one on ``n`` gloo ranks, alternating rounds of
+    ``per_round`` forwards; per rank the median and the minimum over the rounds, and the differences of each
+    (``diff_ms``: of the medians; ``diff_min_ms``: of the minima), in ``ranks``; ``share`` / ``share_min``: the
+    largest rank's share of its plan forward."""
+    from dsp_plugin.bench.wan import SIZE
+    from dsp_plugin.spawn import spawn
+
+    size = tuple(size or SIZE)
+    per_rank = spawn(_worker, n, size, rounds, per_round, timeout=1800, collective_timeout_s=120)
+    return {"n": n, "size": size, "rounds": rounds, "ranks": per_rank,
+            "share": max(r["share"] for r in per_rank), "share_min": max(r["share_min"] for r in per_rank)}
+
+
+def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, per_round: int) -> dict[str, Any]:
+    from dsp_plugin.log import quiet_third_party
+
+    quiet_third_party()
+    import dsp_plugin
+    from dsp_plugin.bench.wan import _setup
+    from dsp_plugin.topology import Topology, set_topology
+
+    set_topology(Topology.world())
+    reference, batch = _setup(size)
+    plan = dsp_plugin.parallelize(copy.deepcopy(reference))
+    hand, running = hand_parallel(reference, size)
+
+    def forward(model: Any) -> float:
+        context = running() if model is hand else contextlib.nullcontext()
+        start = time.thread_time()
+        with torch.no_grad(), context:
+            for _ in range(per_round):
+                model(*batch, return_dict=False)
+        return (time.thread_time() - start) / per_round
+
+    for _ in range(2):  # warm-up: the plan's first calls check the inputs and learn how each module attends
+        forward(plan), forward(hand)
+    plan_s: list[float] = []
+    hand_s: list[float] = []
+    for r in range(rounds):  # alternating which goes first; every rank runs the same order (collectives)
+        if r % 2 == 0:
+            plan_s.append(forward(plan))
+            hand_s.append(forward(hand))
+        else:
+            hand_s.append(forward(hand))
+            plan_s.append(forward(plan))
+    p, h = statistics.median(plan_s), statistics.median(hand_s)
+    return {"rank": rank, "plan_ms": 1e3 * p, "hand_ms": 1e3 * h, "diff_ms": 1e3 * (p - h), "share": (p - h) / p,
+            "plan_min_ms": 1e3 * min(plan_s), "hand_min_ms": 1e3 * min(hand_s),
+            "diff_min_ms": 1e3 * (min(plan_s) - min(hand_s)), "share_min": (min(plan_s) - min(hand_s)) / min(plan_s)}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """One row per rank."""
+    layers, heads, head_dim, frames, hw = result["size"]
+    tokens = frames * (hw // 2) ** 2
+    lines = ["| Wan (layers, heads x dim, tokens) | N | rank | forward CPU ms, plan: median (min) | by hand: median "
+             "(min) | plan - hand: medians (minima) | **the runtime's share**: medians (minima) |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in result["ranks"]:
+        lines.append(f"| {layers}, {heads} x {head_dim}, {tokens} | {result['n']} | {r['rank']} | {r['plan_ms']:.2f} "
+                     f"({r['plan_min_ms']:.2f}) | {r['hand_ms']:.2f} ({r['hand_min_ms']:.2f}) | {r['diff_ms']:.3f} "
+                     f"({r['diff_min_ms']:.3f}) | **{100 * r['share']:.1f}%** ({100 * r['share_min']:.1f}%) |")
+    return "\n".join(lines)
