@@ -50,6 +50,6 @@ def test_against_hand_runs_and_prints_its_row() -> None:
     table = hand_wan.markdown(result)
     print(table)
     assert result["n"] == 2 and result["size"] == SIZE and result["rounds"] == 2
-    assert [r["rank"] for r in result["ranks"]] == [0, 1]
-    assert all(r["plan_ms"] > 0 and r["hand_ms"] > 0 and r["plan_min_ms"] <= r["plan_ms"] for r in result["ranks"])
-    assert "| 2, 4 x 8, 64 | 2 | 0 |" in table and "| 2, 4 x 8, 64 | 2 | 1 |" in table
+    assert 0 < result["plan_min_ms"] <= result["plan_ms"] and 0 < result["hand_min_ms"] <= result["hand_ms"]
+    assert "| 2, 4 x 8, 64 | 2 |" in table
+    assert not torch.distributed.is_initialized()  # the fake world is torn down

@@ -318,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
         from dsp_plugin.bench import hand_wan
 
         print("\nA/B, a forward of the plan's Wan against the Wan made parallel by hand (rank 0 of a fake world, "
-              "CPU ms, medians over alternating rounds):")
+              "CPU ms per forward over alternating rounds):")
         for size in sizes:
-            print(hand_wan.markdown(hand_wan.measure_against_hand(args.nproc, size, rounds=max(args.rounds, 30))))
+            print(hand_wan.markdown(hand_wan.measure_against_hand(args.nproc, size, rounds=max(args.rounds, 40))))
     if args.where:
         for result in results:
             for mode in modes:
