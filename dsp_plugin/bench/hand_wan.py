@@ -1,6 +1,6 @@
 """The plan runtime's cost, A/B: the bench's Wan parallelized by its plan against the same Wan made parallel by hand.
 
-    python -m dsp_plugin.bench.overhead --against-hand [--size L,H,D,F,HW] [--rounds 30]
+    python -m dsp_plugin.bench.overhead --forward-only --against-hand [--size L,H,D,F,HW]
 
 The hand-written model is what a user would write without ``parallelize``: the
 paper's functions called where ``WAN_PLAN`` puts its hooks, and nothing else (no
