@@ -2,6 +2,7 @@
 
     python -m dsp_plugin.bench.overhead --nproc 2 [--quick] [--rounds 20] [--where]
     python -m dsp_plugin.bench.overhead --size 4,12,16,16,32 --forward-only --rounds 9   # a larger Wan
+    python -m dsp_plugin.bench.overhead --against-hand    # also: A/B against the Wan made parallel by hand
 
 One Wan (``dsp_plugin.bench.wan``'s model and inputs) parallelized by its built-in plan on N gloo
 ranks (CPU, fp32), timed per step (one forward under ``no_grad``, a denoising step, and one forward +
@@ -303,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default=None, metavar="L,H,D,F,HW",
                         help="one Wan size instead: layers, heads, head dim, latent frames, latent height = width")
     parser.add_argument("--forward-only", action="store_true", help="only the forward (no training step)")
+    parser.add_argument("--against-hand", action="store_true",
+                        help="also time the forward against the same Wan made parallel by hand, A/B in one process "
+                             "(dsp_plugin.bench.hand_wan)")
     args = parser.parse_args(argv)
     sizes = [QUICK] if args.quick else [SIZE, QUICK]
     if args.size is not None:
@@ -310,6 +314,13 @@ def main(argv: list[str] | None = None) -> int:
     modes = ("forward",) if args.forward_only else MODES
     results = [measure(args.nproc, s, rounds=args.rounds, modes=modes) for s in sizes]
     print(markdown(results))
+    if args.against_hand:
+        from dsp_plugin.bench import hand_wan
+
+        print("\nA/B, a forward of the plan's Wan against the Wan made parallel by hand (rank 0 of a fake world, "
+              "CPU ms per forward over alternating rounds):")
+        for size in sizes:
+            print(hand_wan.markdown(hand_wan.measure_against_hand(args.nproc, size, rounds=max(args.rounds, 40))))
     if args.where:
         for result in results:
             for mode in modes:

@@ -1,0 +1,55 @@
+"""The overhead bench's A/B baseline (``dsp_plugin.bench.hand_wan``): the Wan made parallel by hand computes what
+the plan's Wan and one process compute, so the A/B compares equal work; and the A/B runs and reports.
+
+Nothing here reads a time: timings are the bench's output, never a test's pass condition.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from dsp_plugin.bench.wan import QUICK
+from dsp_plugin.spawn import spawn
+
+SIZE = (2, 4, 8, 4, 8)  # the quick Wan: 64 tokens, 4 heads; 4 frames over 2 ranks
+
+
+def _outputs(rank: int, world_size: int, size: tuple[int, ...]) -> dict[str, float]:
+    import dsp_plugin
+    from dsp_plugin.bench.hand_wan import hand_parallel
+    from dsp_plugin.bench.wan import _setup
+
+    reference, batch = _setup(size)
+    group = torch.distributed.group.WORLD  # no topology installed: the plan and the hand get the group explicitly
+    plan = dsp_plugin.parallelize(copy.deepcopy(reference), group=group)
+    hand, running = hand_parallel(reference, size, group=group)
+    with torch.no_grad():
+        expected = reference(*batch, return_dict=False)[0]
+        got_plan = plan(*batch, return_dict=False)[0]
+        with running():
+            got_hand = hand(*batch, return_dict=False)[0]
+        again = plan(*batch, return_dict=False)[0]  # the hand's context left diffusers' dispatch as it was
+    return {"hand": (got_hand - expected).abs().max().item(), "plan": (got_plan - expected).abs().max().item(),
+            "again": (again - expected).abs().max().item(), "shape": list(got_hand.shape) == list(expected.shape)}
+
+
+def test_hand_written_wan_computes_the_one_process_output() -> None:
+    assert SIZE == QUICK
+    for rank, r in enumerate(spawn(_outputs, 2, SIZE)):
+        assert r["shape"], r
+        for key in ("hand", "plan", "again"):
+            assert r[key] < 1e-5, (rank, key, r)
+
+
+def test_against_hand_runs_and_prints_its_row() -> None:
+    from dsp_plugin.bench import hand_wan
+
+    result = hand_wan.measure_against_hand(2, SIZE, rounds=2, per_round=1)
+    table = hand_wan.markdown(result)
+    print(table)
+    assert result["n"] == 2 and result["size"] == SIZE and result["rounds"] == 2
+    assert 0 < result["plan_min_ms"] <= result["plan_ms"] and 0 < result["hand_min_ms"] <= result["hand_ms"]
+    assert "| 2, 4 x 8, 64 | 2 |" in table
+    assert not torch.distributed.is_initialized()  # the fake world is torn down
