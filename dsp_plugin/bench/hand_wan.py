@@ -48,10 +48,15 @@ def hand_parallel(reference: Any, size: tuple[int, ...], group: Any = None) -> t
     import diffusers.models.transformers.transformer_wan as wan
 
     from dsp_plugin import gather, split
+    from dsp_plugin.comm import group_size
     from dsp_plugin.head_switch import from_heads, to_heads
 
-    model = copy.deepcopy(reference)
     frames, hw, heads = size[3], (size[4] // 2) ** 2, size[1]
+    n = group_size(group)
+    if frames % n:  # split cuts tokens evenly; the plan cuts whole frames: the same only when frames divide
+        raise ValueError(f"hand_parallel: {frames} latent frames over {n} ranks; expected a multiple of {n} (the "
+                         f"hand-written split cuts tokens evenly, the plan whole frames)")
+    model = copy.deepcopy(reference)
     tokens = frames * hw
     rope, first, proj_out = model.rope.forward, model.blocks[0].forward, model.proj_out.forward
     model.rope.forward = lambda x: tuple(split(t, 1, group=group) for t in rope(x))
