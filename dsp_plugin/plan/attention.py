@@ -96,7 +96,8 @@ class HeadsCall:
                 if len(_FIXED) >= _FIXED_LIMIT:
                     _FIXED.clear()
                 _FIXED[key] = fixed
-        self.__dict__.update(fixed)
+        for name, value in fixed.items():  # not __dict__.update: torch 2.11's dynamo cannot trace it
+            setattr(self, name, value)
         self.group = group
         # under sharded_io, sharded on the axis the model is fed shards of: the forward's cache of key-padding
         # masks laid out for the global sequence, by the mask's identity (plan/masks.py); None otherwise
