@@ -135,3 +135,45 @@ def test_ranks_disagreeing_on_the_wire_format_stop_before_the_all_to_all(op: str
     expected = ("#1 exact, #2 e4m3/e4m3) on rank 1" if exact_on_rank1
                 else "the activation's dtype (comm_dtype=None) on rank 1")
     assert expected in messages[0], messages[0]
+
+
+def _reference_chunk(chunk: torch.Tensor, fmt: torch.dtype) -> bytes:
+    """One chunk on the wire, by the format's definition: its values / scale in ``fmt``, then the float32 scale."""
+    flat = chunk.reshape(-1).float()
+    top = torch.finfo(fmt).max
+    amax = flat.abs().max() if flat.numel() else torch.zeros(())
+    scale = (amax / top).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    wire = (flat / scale).clamp(-top, top).to(fmt)
+    return bytes(wire.view(torch.uint8).tolist()) + bytes(scale.view(torch.uint8).tolist())
+
+
+@pytest.mark.parametrize("lengths", [(12, 12, 12), (15, 12, 15), (0, 6, 6), (5, 0, 5)])
+@pytest.mark.parametrize("skip", [-1, 1])
+def test_encode_is_the_per_chunk_format_and_decode_its_inverse(lengths: tuple[int, ...], skip: int) -> None:
+    """``encode`` casts all chunks of a tensor at once (equal lengths) or one by one (uneven): either way each
+    chunk's bytes are exactly its own cast and scale, in row order, and ``decode`` gives each chunk back."""
+    from dsp_plugin.comm import payload
+
+    g = torch.Generator().manual_seed(1)
+    formats = [torch.float8_e4m3fn, None, torch.float8_e5m2]
+    rows = [[(torch.randn(n, generator=g) * 10 ** k * (j != 0 or k != 2)).to(torch.bfloat16) for k in range(3)]
+            for j, n in enumerate(lengths)]  # rank 0's last chunk all zeros
+    send, splits = payload.encode(rows, formats, skip=skip)
+    expected: list[bytes] = []
+    for j, row in enumerate(rows):
+        parts = [] if j == skip else [bytes(c.view(torch.uint8).tolist()) if f is None else _reference_chunk(c, f)
+                                      for c, f in zip(row, formats)]
+        expected.append(b"".join(parts))
+    assert splits == [len(e) for e in expected]
+    assert bytes(send.tolist()) == b"".join(expected)
+    back = payload.decode(send, [[tuple(c.shape) for c in row] for row in rows], formats, torch.bfloat16, skip=skip)
+    for j, (row, got) in enumerate(zip(rows, back)):
+        if j == skip:
+            assert got is None
+            continue
+        for c, f, b in zip(row, formats, got):
+            assert b.shape == c.shape and b.dtype == torch.bfloat16
+            if f is None or not c.numel():
+                assert torch.equal(b, c)
+            else:
+                assert (b.float() - c.float()).abs().max() <= 0.07 * c.float().abs().max(), (j, f)

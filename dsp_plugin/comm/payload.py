@@ -115,6 +115,41 @@ def _round_trip(chunk: torch.Tensor, wire: torch.Tensor, scale: torch.Tensor, fm
             "flushed": ((back == 0) & nonzero).sum().item() / max(int(nonzero.sum().item()), 1)}
 
 
+def _amax_rows(chunks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunks (flat, one tensor's, one per destination) -> (``[m]`` float32 amax of each, ``[m, e]`` of them
+    all when they have one length ``e``, else None). Equal lengths: one reduction for all; uneven: one each."""
+    lengths = [c.numel() for c in chunks]
+    if lengths[0] and all(n == lengths[0] for n in lengths):
+        packed = torch.cat(chunks).view(len(chunks), lengths[0])
+        return packed.abs().amax(1).float(), packed
+    zero = chunks[0].new_zeros(1, dtype=torch.float32)
+    return torch.cat([c.abs().amax(0, keepdim=True).float() if c.numel() else zero for c in chunks]), None
+
+
+def _encode_chunks(chunks: Sequence[torch.Tensor], fmt: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One tensor's chunks (flat) -> ``(fmt values as uint8, float32 scale as uint8)`` per chunk.
+
+    The same values as casting each chunk on its own (amax, scale, divide, clamp, cast are elementwise or
+    per-chunk), in a handful of kernels for all chunks of one length instead of several per chunk: eagerly
+    on a GPU the encode is launch-bound at a switch's sizes (docs/gpu.md)."""
+    top = torch.finfo(fmt).max
+    amax, packed = _amax_rows(chunks)
+    scales = (amax / top).clamp_min(torch.finfo(torch.float32).tiny)  # [m]; a zero chunk: any scale will do
+    if packed is not None:
+        wires = list((packed.float() / scales[:, None]).clamp(-top, top).to(fmt).unbind(0))
+    else:
+        wires = [(c.float() / scales[i]).clamp(-top, top).to(fmt) for i, c in enumerate(chunks)]
+    # the bytes of all scales at once: Inductor (torch 2.11 on CUDA) refuses to bitcast a [1] piece of a float32
+    # tensor it has laid out with stride 0 ("self.stride(-1) must be 1 to view Float as Byte ... but got 0")
+    scale_bytes = scales.view(torch.uint8)
+    out = []
+    for i, (chunk, wire) in enumerate(zip(chunks, wires)):
+        if _measured is not None:
+            _measured.append(_round_trip(chunk, wire, scales[i:i + 1], fmt))
+        out.append((wire.view(torch.uint8), scale_bytes[_SCALE_BYTES * i:_SCALE_BYTES * (i + 1)]))
+    return out
+
+
 def encode(rows: Sequence[Sequence[torch.Tensor]], formats: Sequence[torch.dtype | None], *, skip: int = -1
            ) -> tuple[torch.Tensor, list[int]]:
     """``rows[j]``: the chunks for rank ``j``, one per tensor -> (one flat uint8 buffer, bytes per rank).
@@ -122,31 +157,21 @@ def encode(rows: Sequence[Sequence[torch.Tensor]], formats: Sequence[torch.dtype
     Chunk ``k`` is ``formats[k]`` bytes then its float32 scale, or (None) the raw bytes of its dtype.
     Row ``skip`` (this rank's own) is left out: it does not travel.
     """
+    sent = [j for j in range(len(rows)) if j != skip]
+    columns: list[list[tuple[torch.Tensor, ...]]] = []  # [tensor k][i-th sent row]: its byte pieces
+    width = min([len(rows[j]) for j in sent]) if sent else 0  # tensors per row (not min(default=): dynamo)
+    for k, fmt in enumerate(formats[:width]):
+        flats = [rows[j][k].reshape(-1) for j in sent]
+        if fmt is None:
+            columns.append([(flat.contiguous().view(torch.uint8),) for flat in flats])
+        else:
+            columns.append(_encode_chunks(flats, fmt))  # type: ignore[arg-type]
     parts: list[torch.Tensor] = []
-    splits: list[int] = []
-    for j, row in enumerate(rows):
-        size = 0
-        for chunk, fmt in zip(row, formats):
-            if j == skip:
-                break
-            flat = chunk.reshape(-1)
-            if fmt is None:
-                part = flat.contiguous().view(torch.uint8)
-                parts.append(part)
-                size += part.numel()
-                continue
-            top = torch.finfo(fmt).max
-            # [1], stride 1: Inductor (torch 2.11 on CUDA) fails to bitcast a 0-dim value reshaped to [1]
-            # ("self.stride(-1) must be 1 to view Float as Byte ... but got 0")
-            amax = flat.abs().amax(0, keepdim=True).float() if flat.numel() else flat.new_zeros(1, dtype=torch.float32)
-            scale = (amax / top).clamp_min(torch.finfo(torch.float32).tiny)  # a zero chunk: any scale will do
-            wire = (flat.float() / scale).clamp(-top, top).to(fmt)
-            if _measured is not None:
-                _measured.append(_round_trip(flat, wire, scale, fmt))
-            parts.append(wire.view(torch.uint8))
-            parts.append(scale.view(torch.uint8))
-            size += flat.numel() + _SCALE_BYTES
-        splits.append(size)
+    splits = [0] * len(rows)
+    for i, j in enumerate(sent):
+        for column in columns:
+            parts.extend(column[i])
+            splits[j] += sum(p.numel() for p in column[i])
     if not parts:
         return torch.empty(0, dtype=torch.uint8, device=rows[0][0].device), splits
     return torch.cat(parts), splits
@@ -155,27 +180,36 @@ def encode(rows: Sequence[Sequence[torch.Tensor]], formats: Sequence[torch.dtype
 def decode(recv: torch.Tensor, shapes: Sequence[Sequence[Sequence[int]]], formats: Sequence[torch.dtype | None],
            dtype: torch.dtype, *, skip: int = -1) -> list[list[torch.Tensor] | None]:
     """The inverse of ``encode`` on the receive side: rank ``i``'s chunks, shaped ``shapes[i][k]``, in ``dtype``
-    (row ``skip``: None, it did not travel). Byte offsets need not be aligned: scales and raw chunks are copied."""
+    (row ``skip``: None, it did not travel). Byte offsets need not be aligned: scales and raw chunks are copied.
+    An FP8 tensor whose chunks have one length is cast back in one go for all source ranks."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    out: list[list[torch.Tensor] | None] = []
+    came = [i for i in range(len(shapes)) if i != skip]
+    offsets: dict[tuple[int, int], int] = {}  # (source i, tensor k) -> the chunk's first byte
     start = 0
-    for i, row in enumerate(shapes):
-        if i == skip:
-            out.append(None)
-            continue
-        chunks = []
-        for shape, fmt in zip(row, formats):
-            numel = math.prod(shape)
+    for i in came:
+        for k, (shape, fmt) in enumerate(zip(shapes[i], formats)):
+            offsets[i, k] = start
+            start += _chunk_bytes(math.prod(shape), fmt, itemsize)
+    out: list[list[torch.Tensor] | None] = [None if i == skip else [] for i in range(len(shapes))]
+    for k, fmt in enumerate(formats):
+        have = [i for i in came if (i, k) in offsets]
+        numels = [math.prod(shapes[i][k]) for i in have]
+        for i, numel in zip(have, numels):
+            at = offsets[i, k]
             if fmt is None:
-                nbytes = numel * itemsize
-                chunks.append(recv[start:start + nbytes].clone().view(dtype).view(shape))
-                start += nbytes
-                continue
-            values = recv[start:start + numel].view(fmt)
-            scale = recv[start + numel:start + numel + _SCALE_BYTES].clone().view(torch.float32)
-            chunks.append((values.float() * scale).to(dtype).view(shape))
-            start += numel + _SCALE_BYTES
-        out.append(chunks)
+                out[i].append(recv[at:at + numel * itemsize].clone().view(dtype).view(shapes[i][k]))  # type: ignore
+        if fmt is None or not have:
+            continue
+        scales = torch.cat([recv[offsets[i, k] + n:offsets[i, k] + n + _SCALE_BYTES] for i, n in zip(have, numels)]
+                           ).view(torch.float32)  # a copy: aligned
+        if numels[0] and all(n == numels[0] for n in numels):
+            values = torch.cat([recv[offsets[i, k]:offsets[i, k] + n] for i, n in zip(have, numels)]).view(fmt)
+            back = (values.view(len(have), numels[0]).float() * scales[:, None]).to(dtype).unbind(0)
+        else:
+            back = [(recv[offsets[i, k]:offsets[i, k] + n].view(fmt).float() * scales[m]).to(dtype)
+                    for m, (i, n) in enumerate(zip(have, numels))]
+        for i, values in zip(have, back):
+            out[i].append(values.view(shapes[i][k]))  # type: ignore[union-attr]
     return out
 
 
