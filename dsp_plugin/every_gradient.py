@@ -168,6 +168,8 @@ class _State:
         if is_fake(counts):  # the dry run under DSP_CHECK=always: nothing to read
             return
         n = _size(group)
+        if dist.get_backend(group) == "fake":  # a fake world (dsp_plugin.dryrun.world): the sum is rank 0's own
+            counts = counts * n  # flags, and rank 0 stands for every rank (else every used parameter looks late)
         self.late = {i for i, c in enumerate(counts.tolist()) if (self.unused or c > 0) and c < n}
 
     def cleanup(self, *_: Any) -> None:

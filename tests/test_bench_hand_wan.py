@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from dsp_plugin.bench.wan import QUICK
@@ -53,3 +54,33 @@ def test_against_hand_runs_and_prints_its_row() -> None:
     assert 0 < result["plan_min_ms"] <= result["plan_ms"] and 0 < result["hand_min_ms"] <= result["hand_ms"]
     assert "| 2, 4 x 8, 64 | 2 |" in table
     assert not torch.distributed.is_initialized()  # the fake world is torn down
+    assert "forward CPU ms" in table
+
+
+def test_against_hand_times_a_training_step_too() -> None:
+    from dsp_plugin.bench import hand_wan
+
+    result = hand_wan.measure_against_hand(2, SIZE, rounds=2, per_round=1, backward=True)
+    assert result["backward"] and "forward + backward CPU ms" in hand_wan.markdown(result)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device='cuda:0'; expected 'cpu' or a CUDA device"):
+            hand_wan.measure_against_hand(2, SIZE, device="cuda:0")
+
+
+def test_a_fake_world_learns_what_a_real_one_does() -> None:
+    """The A/B's backward compares equal work: in a fake world (torch's ``fake`` process group, whose all_reduce
+    sums nothing) rank 0 stands for every rank, so no parameter the model uses counts as used by some ranks only
+    (``every_gradient``'s zeros, one tensor per such parameter per backward, which the hand-written model lacks)."""
+    import dsp_plugin
+    from dsp_plugin import every_gradient
+    from dsp_plugin.bench.wan import _setup
+    from dsp_plugin.dryrun.world import fake_world
+
+    with fake_world(2, dsp=2):
+        reference, batch = _setup(SIZE)
+        model = dsp_plugin.parallelize(reference)
+        model(*batch, return_dict=False)[0].square().mean().backward()
+        states = [h.__self__ for h in model._forward_pre_hooks.values()
+                  if isinstance(getattr(h, "__self__", None), every_gradient._State)]
+        assert len(states) == 1 and states[0].late == set(), states[0].late
+        assert all(p.grad is not None for p in model.parameters())

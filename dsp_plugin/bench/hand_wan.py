@@ -83,31 +83,47 @@ def hand_parallel(reference: Any, size: tuple[int, ...], group: Any = None) -> t
 
 
 def measure_against_hand(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 40,
-                         per_round: int = 5) -> dict[str, Any]:
+                         per_round: int = 5, device: str = "cpu", backward: bool = False) -> dict[str, Any]:
     """CPU ms per forward of the plan's Wan and of the hand-written one, as rank 0 of a fake world of ``n``, in
     this process (one CPU thread, as a bench rank; ``fake_world`` refuses a process with torch.distributed
     initialised): the minimum and the median over alternating rounds of ``per_round`` forwards, the differences
-    of each, and the share of the plan's forward they are."""
+    of each, and the share of the plan's forward they are.
+
+    ``device="cuda:0"``: the models and inputs there, and wall ms instead of CPU ms (a round ends when the device
+    is done), so the runtime's Python counts only where it is not hidden behind the kernels it launches.
+    ``backward=True``: a training step's forward and backward (of the output's mean square) instead."""
     import dsp_plugin
     from dsp_plugin.bench.wan import SIZE, _setup
     from dsp_plugin.dryrun.world import fake_world
 
     size = tuple(size or SIZE)
+    where = torch.device(device)
+    if where.type not in ("cpu", "cuda") or (where.type == "cuda" and not torch.cuda.is_available()):
+        raise ValueError(f"measure_against_hand: device={device!r}; expected 'cpu' or a CUDA device on a machine "
+                         f"with one (CUDA available: {torch.cuda.is_available()})")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with fake_world(n, dsp=n):
             reference, batch = _setup(size)
+            reference, batch = reference.to(where), tuple(t.to(where) for t in batch)
             plan = dsp_plugin.parallelize(copy.deepcopy(reference))
             hand, running = hand_parallel(reference, size)
+            clock = time.thread_time if where.type == "cpu" else time.perf_counter
 
             def forward(model: Any) -> float:
                 context = running() if model is hand else contextlib.nullcontext()
-                start = time.thread_time()
-                with torch.no_grad(), context:
+                if where.type == "cuda":
+                    torch.cuda.synchronize(where)
+                start = clock()
+                with torch.set_grad_enabled(backward), context:
                     for _ in range(per_round):
-                        model(*batch, return_dict=False)
-                return (time.thread_time() - start) / per_round
+                        out = model(*batch, return_dict=False)[0]
+                        if backward:
+                            out.float().square().mean().backward()
+                if where.type == "cuda":
+                    torch.cuda.synchronize(where)
+                return (clock() - start) / per_round
 
             for _ in range(2):  # warm-up: the plan's first calls learn how each module attends
                 forward(plan), forward(hand)
@@ -119,7 +135,8 @@ def measure_against_hand(n: int = 2, size: tuple[int, ...] | None = None, *, rou
     finally:
         torch.set_num_threads(threads)
     p, h, p_min, h_min = statistics.median(plan_s), statistics.median(hand_s), min(plan_s), min(hand_s)
-    return {"n": n, "size": size, "rounds": rounds, "plan_ms": 1e3 * p, "hand_ms": 1e3 * h,
+    return {"n": n, "size": size, "rounds": rounds, "device": device, "backward": backward,
+            "plan_ms": 1e3 * p, "hand_ms": 1e3 * h,
             "diff_ms": 1e3 * (p - h), "share": (p - h) / p, "plan_min_ms": 1e3 * p_min, "hand_min_ms": 1e3 * h_min,
             "diff_min_ms": 1e3 * (p_min - h_min), "share_min": (p_min - h_min) / p_min}
 
@@ -128,9 +145,11 @@ def markdown(result: dict[str, Any]) -> str:
     layers, heads, head_dim, frames, hw = result["size"]
     tokens = frames * (hw // 2) ** 2
     r = result
+    step = "forward + backward" if r.get("backward") else "forward"
+    clock = "CPU" if r.get("device", "cpu") == "cpu" else f"wall ({r['device']})"
     return "\n".join([
-        "| Wan (layers, heads x dim, tokens) | N (fake) | forward CPU ms, plan: min (median) | by hand: min (median) "
-        "| plan - hand: minima (medians) | **the runtime's share**: minima (medians) |",
+        f"| Wan (layers, heads x dim, tokens) | N (fake) | {step} {clock} ms, plan: min (median) "
+        "| by hand: min (median) | plan - hand: minima (medians) | **the runtime's share**: minima (medians) |",
         "| --- | --- | --- | --- | --- | --- |",
         f"| {layers}, {heads} x {head_dim}, {tokens} | {r['n']} | {r['plan_min_ms']:.2f} ({r['plan_ms']:.2f}) | "
         f"{r['hand_min_ms']:.2f} ({r['hand_ms']:.2f}) | {r['diff_min_ms']:.3f} ({r['diff_ms']:.3f}) | "

@@ -3,6 +3,7 @@
     python -m dsp_plugin.bench.overhead --nproc 2 [--quick] [--rounds 20] [--where]
     python -m dsp_plugin.bench.overhead --size 4,12,16,16,32 --forward-only --rounds 9   # a larger Wan
     python -m dsp_plugin.bench.overhead --against-hand    # also: A/B against the Wan made parallel by hand
+    python -m dsp_plugin.bench.overhead --against-hand --device cuda:0   # the A/B on a GPU (wall time)
 
 One Wan (``dsp_plugin.bench.wan``'s model and inputs) parallelized by its built-in plan on N gloo
 ranks (CPU, fp32), timed per step (one forward under ``no_grad``, a denoising step, and one forward +
@@ -307,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--against-hand", action="store_true",
                         help="also time the forward against the same Wan made parallel by hand, A/B in one process "
                              "(dsp_plugin.bench.hand_wan)")
+    parser.add_argument("--device", default="cpu",
+                        help="with --against-hand: where the A/B runs (default cpu: CPU time; cuda:0: wall time)")
     args = parser.parse_args(argv)
     sizes = [QUICK] if args.quick else [SIZE, QUICK]
     if args.size is not None:
@@ -317,10 +320,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.against_hand:
         from dsp_plugin.bench import hand_wan
 
-        print("\nA/B, a forward of the plan's Wan against the Wan made parallel by hand (rank 0 of a fake world, "
-              "CPU ms per forward over alternating rounds):")
+        print(f"\nA/B, the plan's Wan against the Wan made parallel by hand (rank 0 of a fake world on {args.device}, "
+              "ms per step over alternating rounds):")
         for size in sizes:
-            print(hand_wan.markdown(hand_wan.measure_against_hand(args.nproc, size, rounds=max(args.rounds, 40))))
+            for backward in (False,) if args.forward_only else (False, True):
+                print(hand_wan.markdown(hand_wan.measure_against_hand(
+                    args.nproc, size, rounds=max(args.rounds, 40), device=args.device, backward=backward)))
     if args.where:
         for result in results:
             for mode in modes:
