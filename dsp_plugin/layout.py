@@ -36,8 +36,8 @@ that is sharded, so a layer recovers every global length from the tag alone.
 from __future__ import annotations
 
 import math
-import threading
 import weakref
+from _weakref import _remove_dead_weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 __all__ = ["ShardSpec", "attach", "attach_spec", "global_len_of", "propagate", "shard_spec"]
 
-_ATTR = "_dsp_shard_spec"
+_ATTR = TAG_ATTR = "_dsp_shard_spec"  # the tag's attribute on a tensor (read directly by the plan's hot path)
 
 
 @dataclass(frozen=True)
@@ -85,9 +85,43 @@ class ShardSpec:
         return f"S({self.dim}) folding {self.grid}, sharded on axis {self.axis}"
 
 
-# (data_ptr, storage_offset, shape, stride, dtype, device) -> the tagged tensor, weakly.
-_aliases: weakref.WeakValueDictionary[tuple[object, ...], torch.Tensor] = weakref.WeakValueDictionary()
-_lock = threading.Lock()
+class _Alias(weakref.ref):  # type: ignore[type-arg]
+    """A weak reference to a noted tensor that knows its key in ``_aliases``, where it is removed when the tensor
+    dies. A plain dict of these, not a ``WeakValueDictionary``: every tag is one such entry (several a layer),
+    and the dictionary's Python-level reference class and removal cost several calls each."""
+
+    __slots__ = ("key",)
+
+
+def _forget(ref: _Alias) -> None:
+    """The tensor of ``ref`` died: its entry goes (unless a live tensor took the key since: kept)."""
+    _remove_dead_weakref(_aliases, ref.key)
+
+
+# (data_ptr, storage_offset, shape, stride, dtype, device) -> the noted tensor, weakly. A dict's single get, set and
+# conditional removal are atomic: no lock.
+_aliases: dict[tuple[object, ...], _Alias] = {}
+
+# noted tensors not keyed in ``_aliases`` yet, weakly, in the order they were noted: keyed at the next lookup by
+# alias (``noted`` on a tensor without the note), so most (activations freed before any such lookup) never are.
+# A lookup finds what it would have found had every note been keyed at once: a dead tensor is skipped, a later note
+# of the same key wins, and the key is the tensor's view as it is at the lookup (as a detach then would copy it).
+_pending: list[weakref.ref[torch.Tensor]] = []
+_PENDING_LIMIT = 1024  # keyed then anyway (dead ones dropped), so the list stays short in a loop that never looks up
+
+
+def _key_pending() -> None:
+    """Key every pending noted tensor that is alive (see ``_pending``)."""
+    count = len(_pending)
+    batch = _pending[:count]
+    del _pending[:count]  # what other threads appended since stays (list slicing and deletion are atomic)
+    for weak in batch:
+        x = weak()
+        key = None if x is None else _alias_key(x)
+        if key is not None:
+            ref = _Alias(x, _forget)
+            ref.key = key
+            _aliases[key] = ref
 
 
 def storage_address(x: torch.Tensor) -> int:
@@ -138,10 +172,9 @@ def note(x: torch.Tensor, name: str, value: Any) -> torch.Tensor:
     setattr(x, name, value)
     if torch.compiler.is_compiling():  # no aliases while tracing: reentrant recompute does not run compiled
         return x
-    key = _alias_key(x)
-    if key is not None:
-        with _lock:
-            _aliases[key] = x
+    _pending.append(weakref.ref(x))  # keyed when a lookup by alias needs it (``_pending``)
+    if len(_pending) > _PENDING_LIMIT:
+        _key_pending()
     return x
 
 
@@ -153,8 +186,10 @@ def noted(x: torch.Tensor, name: str, default: Any = None) -> Any:
     key = _alias_key(x)
     if key is None:
         return default
-    with _lock:
-        original = _aliases.get(key)
+    if _pending:
+        _key_pending()
+    ref = _aliases.get(key)
+    original = None if ref is None else ref()
     value = None if original is None else getattr(original, name, None)
     return default if value is None else value
 
