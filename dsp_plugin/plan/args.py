@@ -56,12 +56,13 @@ _PLACES: weakref.WeakKeyDictionary[Any, dict[str, int | None]] = weakref.WeakKey
 _NOT_PLAIN: dict[str, int | None] = {}  # _PLACES' entry for a forward with *args or positional-only parameters
 
 
-def _places(forward: Any, sig: inspect.Signature) -> dict[str, int | None] | None:
+def _places(forward: Any) -> dict[str, int | None] | None:
     """Where each parameter of ``forward`` is passed: its position (also passable by name), or None (by keyword
     only); None for a signature with ``*args`` or positional-only parameters (``Args`` binds those)."""
     func = getattr(forward, "__func__", None)
     places = _PLACES.get(func) if func is not None else None
     if places is None:
+        sig = _signature(forward)
         kinds = [p.kind for p in sig.parameters.values()]
         plain = inspect.Parameter.VAR_POSITIONAL not in kinds and inspect.Parameter.POSITIONAL_ONLY not in kinds
         places = {name: (i if p.kind in _POSITIONAL else None) for i, (name, p) in enumerate(sig.parameters.items())
@@ -94,7 +95,7 @@ class Args:
         """("args", index) or ("kwargs", name) where the call passed parameter ``name``; None where it did not
         pass it; bound (``self.bound``) when the signature is not a plain one."""
         if self._places is False:
-            self._places = _places(self.module.forward, self.sig)
+            self._places = _places(self.module.forward)
         places = self._places
         if places is None or self._bound is not None or name not in places:  # not plain, or **kwargs' own name
             return ("bound", name)
@@ -141,6 +142,8 @@ class Args:
         self.changed = True
 
     def get(self, arg: str | int | tuple[Any, ...]) -> Any:
+        if type(arg) is str:  # a parameter by name (most specs): nothing to resolve or walk
+            return self._read(arg)
         value = self._read(self.name(arg))
         for i, index in enumerate(arg[1:] if isinstance(arg, tuple) else ()):
             if value is None:  # an optional argument the caller left out stays out

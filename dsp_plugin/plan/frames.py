@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["OnShard", "current_block", "frames", "sharded_io"]
+__all__ = ["OnShard", "close_frame", "current_block", "current_frame", "frames", "open_frame", "sharded_io"]
 
 _local = threading.local()
 
@@ -30,14 +30,43 @@ _local = threading.local()
 def frames() -> list[Any]:
     """This thread's stack: ``sharded_io`` scopes, ``Frame`` records, and ``("block", spec, grid, shard, state)``
     (``state``: ``{"empty": this rank's shard is empty, "mode": the EmptyShardMode open for it}``)."""
-    if not hasattr(_local, "frames"):
-        _local.frames = []
-    return _local.frames
+    stack = getattr(_local, "frames", None)
+    if stack is None:
+        stack = _local.frames = []
+    return stack
+
+
+def open_frame(frame: Frame) -> None:
+    """Push ``frame`` on this thread's stack; it is its owner's current one (:func:`current_frame`) until closed."""
+    frames().append(frame)
+    current = getattr(_local, "current", None)
+    if current is None:
+        current = _local.current = {}
+    frame.outer = current.get(frame.owner)  # the owner's frame it is nested in (a model called inside itself)
+    current[frame.owner] = frame
+
+
+def close_frame(frame: Frame) -> None:
+    """Take ``frame`` off this thread's stack; its owner's current frame is the one it was opened in again."""
+    frames().remove(frame)
+    current = getattr(_local, "current", None)
+    if current is not None and current.get(frame.owner) is frame:
+        if frame.outer is None:
+            del current[frame.owner]
+        else:
+            current[frame.owner] = frame.outer
+
+
+def current_frame(owner: Any) -> Frame | None:
+    """The innermost open ``Frame`` of ``owner`` (a plan runtime) on this thread, or None: one lookup, not a walk
+    of the stack (every hook asks)."""
+    current = getattr(_local, "current", None)
+    return None if current is None else current.get(owner)
 
 
 @dataclass
 class Frame:
-    owner: int
+    owner: Any  # the plan runtime whose forward this is (a dict key by identity: no ``id()``, an audited builtin)
     grid: dict[str, int] = field(default_factory=dict)
     shard: str | None = None
     sharded_io: bool = False
@@ -46,6 +75,7 @@ class Frame:
     masks: dict[int, Any] = field(default_factory=dict)  # under sharded_io: key-padding masks laid out (Heads)
     members: tuple[int, int] | None = None  # the plan's group: (size, this rank's place), resolved for this forward
     check_always: bool = False  # DSP_CHECK=1 (checks.check_mode), read once for this forward
+    outer: Frame | None = None  # open_frame: the owner's frame this one is nested in, current again when it closes
 
 
 class sharded_io:  # noqa: N801 - used as a context manager, like torch.no_grad

@@ -66,14 +66,17 @@ def read_spec(x: torch.Tensor, lay: Layout) -> tuple[dict[str, int], str] | None
 
 
 def infer_grid(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], *, shard: str | None = None,
-               group: Any = None) -> dict[str, int]:
+               group: Any = None, members: tuple[int, int] | None = None) -> dict[str, int]:
     """``grid`` completed with the axes of ``x`` (at most one unknown axis per dim).
 
     ``x`` is the full tensor, or with ``shard`` this rank's shard of that axis (whose global length is in ``grid``);
     only then is ``group`` asked for this rank's place (a full tensor needs no group).
     """
     def length(a: str) -> int:
-        return chunk_sizes(out[a], group_size(group))[group_rank(group)] if a == shard else out[a]
+        if a != shard:
+            return out[a]
+        n, rank = _members(group, members)
+        return chunk_sizes(out[a], n)[rank]
 
     if x.dim() != len(lay.dims):
         raise ValueError(f"{where}: expected a {len(lay.dims)}-dim tensor in layout '{lay}', got shape "
@@ -109,9 +112,15 @@ def _local_shape(lay: Layout, grid: dict[str, int], shard: str | None, n: int, r
     return shape
 
 
+def _members(group: Any, members: tuple[int, int] | None) -> tuple[int, int]:
+    """The group's (size, this rank's place): ``members`` where the caller resolved them for its forward (the plan
+    runtime, once per forward), else asked of the group."""
+    return (group_size(group), group_rank(group)) if members is None else members
+
+
 def _unfold(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str | None,
-            group: Any) -> torch.Tensor:
-    n, rank = group_size(group), group_rank(group)
+            group: Any, members: tuple[int, int] | None = None) -> torch.Tensor:
+    n, rank = _members(group, members)
     shape = _local_shape(lay, grid, shard, n, rank, x)
     if math.prod(shape) != x.numel():
         raise ValueError(f"{where}: a tensor of shape {tuple(x.shape)} is not layout '{lay}' with global "
@@ -150,47 +159,78 @@ def scale_grad(x: Any, factor: float) -> Any:
     return x
 
 
-def partial_split(where: str, x: torch.Tensor, axis_index: int, group: Any, *, length: int | None = None,
-                  inner: int = 1) -> torch.Tensor:
-    """This rank's chunk of dim ``axis_index`` (partial adjoint). ``length``/``inner``: the dim folds an axis of
-    ``length`` positions outermost, each ``inner`` rows (``(F HW)`` split on F): chunks of that axis, whole rows."""
-    n, rank = group_size(group), group_rank(group)
-    length = x.shape[axis_index] if length is None else length
+def _chunk(where: str, length: int, n: int, rank: int) -> tuple[int, int]:
+    """(first position, positions) of this rank's chunk of an axis of ``length``; an error below one per rank."""
     if length < n:
         raise ValueError(f"{where}: a sequence axis of length {length} cannot be split over {n} ranks; expected "
                          f"at least one element per rank (length >= {n})")
     sizes = chunk_sizes(length, n)
-    start, size = offsets(sizes)[rank] * inner, sizes[rank] * inner
+    return offsets(sizes)[rank], sizes[rank]
+
+
+def _narrow(x: torch.Tensor, dim: int, start: int, size: int) -> torch.Tensor:
     comm.count_sharded_call()  # a shard is made: what the DeepSpeed guard checks a DSP model does
     # autograd's own narrow is the partial adjoint (the gradient in place, zeros elsewhere). Not an autograd
     # Function of ours: torch 2.11's dynamo drops the gradient of a Function applied in a forward pre-hook
     # (a follow argument's split: Latte's caption and timestep embeddings got none; fixed in 2.13)
-    return x.narrow(axis_index, start, size).contiguous()
+    return x.narrow(dim, start, size).contiguous()
+
+
+def partial_split(where: str, x: torch.Tensor, axis_index: int, group: Any, *, length: int | None = None,
+                  inner: int = 1, members: tuple[int, int] | None = None) -> torch.Tensor:
+    """This rank's chunk of dim ``axis_index`` (partial adjoint). ``length``/``inner``: the dim folds an axis of
+    ``length`` positions outermost, each ``inner`` rows (``(F HW)`` split on F): chunks of that axis, whole rows.
+    ``members``: the group's (size, rank), where the caller resolved them (here and in the functions below)."""
+    n, rank = _members(group, members)
+    start, size = _chunk(where, x.shape[axis_index] if length is None else length, n, rank)
+    return _narrow(x, axis_index, start * inner, size * inner)
+
+
+def row_split(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str,
+              members: tuple[int, int]) -> tuple[int, int, int, carrier.ShardSpec] | None:
+    """How ``plan_split`` cuts ``x`` where ``shard`` is the outermost axis of its dim (this rank's chunk is a block
+    of rows): (dim, first row, rows, the shard's tag), for :func:`cut`; None where it unfolds the dim instead.
+    A function of the shapes and lengths only: the plan runtime keeps it for the next forward's same split."""
+    dim = lay.dim_of(shard)
+    names = lay.dims[dim]
+    if names[0] != shard or x.dim() != len(lay.dims):
+        return None
+    inner = math.prod([grid[a] for a in names[1:]])
+    if x.shape[dim] != grid[shard] * inner:
+        return None
+    start, size = _chunk(where, grid[shard], *members)
+    return dim, start * inner, size * inner, spec_for(lay, grid, shard)
+
+
+def cut(x: torch.Tensor, rows: tuple[int, int, int, carrier.ShardSpec]) -> torch.Tensor:
+    """``x``'s block of rows that :func:`row_split` found, tagged."""
+    dim, start, size, tag = rows
+    return carrier.attach_spec(_narrow(x, dim, start, size), tag)
 
 
 def plan_split(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str,
-               group: Any) -> torch.Tensor:
+               group: Any, *, members: tuple[int, int] | None = None) -> torch.Tensor:
     """Replicated ``x`` in ``lay`` -> this rank's chunk of axis ``shard``, tagged."""
-    if group_size(group) == 1:
+    members = _members(group, members)
+    if members[0] == 1:
         return x
-    dim = lay.dim_of(shard)
-    names = lay.dims[dim]
-    if names[0] == shard and x.dim() == len(lay.dims):  # the dim's outermost axis: its chunk is a block of rows
-        inner = math.prod([grid[a] for a in names[1:]])
-        if x.shape[dim] == grid[shard] * inner:
-            return _tag(partial_split(where, x, dim, group, length=grid[shard], inner=inner), lay, grid, shard)
-    full = _unfold(where, x, lay, grid, None, group)
-    local = partial_split(where, full, lay.axes.index(shard), group)
+    rows = row_split(where, x, lay, grid, shard, members)
+    if rows is not None:
+        return cut(x, rows)
+    full = _unfold(where, x, lay, grid, None, group, members)
+    local = partial_split(where, full, lay.axes.index(shard), group, members=members)
     return _tag(_fold(local, lay), lay, grid, shard)
 
 
 def plan_switch(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], cur: str, tgt: str,
-                group: Any, *, tail: bool = False, comm_dtype: object = None) -> torch.Tensor:
+                group: Any, *, tail: bool = False, comm_dtype: object = None,
+                members: tuple[int, int] | None = None) -> torch.Tensor:
     """S(cur) -> S(tgt) of ``x`` in ``lay``: one all-to-all, not re-issued under recompute; tagged.
     ``comm_dtype``: the payload's wire format (``dsp_plugin.comm.payload``)."""
-    if group_size(group) == 1:
+    members = _members(group, members)
+    if members[0] == 1:
         return x
-    u = _unfold(where, x, lay, grid, cur, group)
+    u = _unfold(where, x, lay, grid, cur, group, members)
     axes = lay.axes
     y = recompute.replay((where, "switch", cur, tgt), lambda u: dynamic_switch(
         u, axes.index(cur), axes.index(tgt), group=group, global_len=grid[cur], comm_dtype=comm_dtype), u,
@@ -199,12 +239,13 @@ def plan_switch(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], 
 
 
 def plan_gather(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str,
-                group: dist.ProcessGroup | None) -> torch.Tensor:
+                group: dist.ProcessGroup | None, *, members: tuple[int, int] | None = None) -> torch.Tensor:
     """S(shard) -> R: one all_gather, not re-issued under recompute; backward N x its own chunk (module docstring)."""
-    n = group_size(group)
+    members = _members(group, members)
+    n = members[0]
     if n == 1:
         return x
-    u = _unfold(where, x, lay, grid, shard, group)
+    u = _unfold(where, x, lay, grid, shard, group, members)
     y = recompute.replay((where, "gather"), lambda u: gather(
         u, lay.axes.index(shard), group=group, global_len=grid[shard]), u)
     return scale_grad(_fold(y, lay), float(n))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+import weakref
 from typing import Any
 
 import torch
@@ -37,15 +38,24 @@ from torch import nn
 from dsp_plugin import checks, every_gradient, failures
 from dsp_plugin import layout as carrier
 from dsp_plugin.comm import agree_inputs, chunk_sizes, group_rank, group_size
-from dsp_plugin.comm.agree import _structure
-from dsp_plugin.comm.group_resolution import _resolve_group
+from dsp_plugin.comm.group_resolution import _place, _resolve_group
 from dsp_plugin.plan import dispatch, ops, recompute
 from dsp_plugin.plan.args import Args as _Args
 from dsp_plugin.plan.args import expand
 from dsp_plugin.plan.args import map_tensors as _map_tensors
 from dsp_plugin.plan.args import tensors as _tensors
 from dsp_plugin.plan.attention import EmptyShardMode, enter_heads, exit_heads
-from dsp_plugin.plan.frames import Frame, OnShard, current_block, current_io, frames, sharded_io
+from dsp_plugin.plan.frames import (
+    Frame,
+    OnShard,
+    close_frame,
+    current_block,
+    current_frame,
+    current_io,
+    frames,
+    open_frame,
+    sharded_io,
+)
 from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
 from dsp_plugin.plan.placement import complete as _complete
 from dsp_plugin.plan.placement import is_full as _is_full
@@ -60,6 +70,11 @@ INPUT_HINT = ("Seed every rank alike before drawing inputs (torch.manual_seed, o
               "inputs are this rank's shards on purpose, call the model under dsp_plugin.plan.sharded_io.")
 
 _ONSHARD_ATTR = "_dsp_plan_on_shard"
+
+
+def _dead() -> None:  # a weak reference to nothing: no group seen yet
+    return None
+
 _UNSEEN = object()  # a Heads module not known to attend through diffusers' dispatch alone
 
 
@@ -73,14 +88,14 @@ class _Runtime:
         self.via_dispatch: dict[str, Any] = {}
         self.heads = any(isinstance(s, Heads) for _, _, specs in self.entries for s in specs)
         self.grid = next((s for _, _, specs in self.entries for s in specs if isinstance(s, Grid)), Grid())
+        self.splits: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # split_plan's: (site, shape, ...) -> plan
+        self.tag_placed: dict[str, tuple[Any, ...]] = {}  # placed's: block/gather site -> (tag, shape, placement)
         self.handles: list[Any] = []
+        self.ranks: tuple[Any, tuple[int, ...]] = (_dead, ())  # check_inputs': (the group, weakly; its ranks)
 
     # -- frames ---------------------------------------------------------------
     def frame(self) -> Frame | None:
-        for f in reversed(frames()):
-            if isinstance(f, Frame) and f.owner == id(self):
-                return f
-        return None
+        return current_frame(self)
 
     def members(self, frame: Frame | None) -> tuple[int, int]:
         """The plan's group: (size, this rank's place), as resolved for the forward in progress (``frame``), or
@@ -96,11 +111,11 @@ class _Runtime:
         a = _Args(module, args, kwargs)
         io = current_io()
         group = _resolve_group(self.group, "parallelize")  # once per forward: the hooks read the frame's members
-        members = (group_size(group), group_rank(group))
+        members = (1, 0) if group is None else _place(group)  # (group_size, group_rank) of the resolved group
         always = not torch.compiler.is_compiling() and checks.check_mode() == "always"  # compiled: no SDPA level
         if io is not None:
-            frames().append(Frame(id(self), dict(io.axes), sharded_io=True, handling=sys.exc_info()[1],
-                                  members=members, check_always=always))
+            open_frame(Frame(self, dict(io.axes), sharded_io=True, handling=sys.exc_info()[1],
+                             members=members, check_always=always))
             return
         # replicated inputs (not a model inside another's); a compiled call is not checked: the check is a host
         # sync, and the same inputs' first eager call (or an eager run under DSP_CHECK=1) checks them
@@ -113,7 +128,7 @@ class _Runtime:
                 raise ValueError(f"parallelize: the plan's Grid reads {axis} from argument {name!r}, which is "
                                  f"{type(value).__name__}; expected a tensor")
             grid[axis] = value.shape[dim]
-        frames().append(Frame(id(self), grid, handling=sys.exc_info()[1], members=members, check_always=always))
+        open_frame(Frame(self, grid, handling=sys.exc_info()[1], members=members, check_always=always))
 
     def check_inputs(self, module: nn.Module, a: _Args, group: Any) -> None:
         """Every rank was given the same inputs (``agree_inputs``), when ``checks`` says so: by default once per
@@ -122,18 +137,20 @@ class _Runtime:
         if group is None or not dist.is_initialized():
             return  # one process: nothing to agree (agree_inputs returns at once too)
         name = f"parallelize({type(module).__name__})"
-        seen = ("plan inputs", name, tuple(dist.get_process_group_ranks(group)),
-                tuple(_structure(v) for v in a.args), tuple((k, _structure(v)) for k, v in a.kwargs.items()))
+        ranks = self.ranks[1] if self.ranks[0]() is group else None
+        if ranks is None:
+            ranks = tuple(dist.get_process_group_ranks(group))
+            self.ranks = (weakref.ref(group), ranks)
+        seen = ("plan inputs", name, ranks, _signature_of(a.args), _signature_of(a.kwargs))
         if not checks.needs_check_for(seen):
             return
         agree_inputs(name, dict(a.bound.arguments), group=group, hint=INPUT_HINT)
         checks.remember(seen)
 
     def root_post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
-        stack = frames()
         frame = self.frame()
         if frame is not None:
-            stack.remove(frame)
+            close_frame(frame)
         error = sys.exc_info()[1]   # always called: the forward raised on this rank (maybe alone)
         if error is not None and (frame is None or error is not frame.handling):
             failures.post(error)    # before its process exits, for the peers waiting in a collective
@@ -153,6 +170,7 @@ class _Runtime:
         memo[id(self)] = new
         new.plan, new.group, new.grid, new.comm_dtype = self.plan, self.group, self.grid, self.comm_dtype
         new.via_dispatch, new.heads = {}, self.heads  # the copy's modules have their own processors: learnt again
+        new.splits, new.tag_placed, new.ranks = {}, {}, (_dead, ())  # the copy's own
         new.model = copy.deepcopy(self.model, memo)
         new.entries = [(path, copy.deepcopy(module, memo), specs) for path, module, specs in self.entries]
         new.handles = copy.deepcopy(self.handles, memo)
@@ -284,45 +302,78 @@ class _Runtime:
         """A module's output gathered: every tensor of it that carries a shard tag in the layout, or, if none
         does, its first (a block's activation, placed by the frame); other tensors (text carried beside the
         video, replicated on every rank) pass through."""
-        leaves = _tensors(output)
-        sharded = [ops.read_spec(t, spec.layout) is not None for t in leaves]
-        chosen = iter(sharded if any(sharded) else [i == 0 for i in range(len(leaves))])
-        return _map_tensors(output, lambda t: self.gather(where, t, spec) if next(chosen) else t)
+        found = [self.placed(where, spec, t) for t in _tensors(output)]
+        sharded = [f[1] is not None for f in found]
+        chosen = iter(zip(sharded if any(sharded) else [i == 0 for i in range(len(found))], found))
+
+        def gathered(t: torch.Tensor) -> torch.Tensor:
+            gather, placement = next(chosen)
+            return self.gather(where, t, spec, placement) if gather else t
+
+        return _map_tensors(output, gathered)
 
     def split(self, where: str, x: Any, spec: Split) -> Any:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{where}: expected a tensor to split, got {type(x).__name__}")
         frame = self.frame()
+        members = self.members(frame)
         if frame is not None and frame.sharded_io and not _is_full(x, spec, frame.grid):  # already a shard
-            grid = ops.infer_grid(where, x, spec.layout, frame.grid, shard=spec.shard, group=self.group)
+            grid = ops.infer_grid(where, x, spec.layout, frame.grid, shard=spec.shard, group=self.group,
+                                  members=members)
             frame.grid, frame.shard, frame.io_shard = grid, spec.shard, spec.shard
             return ops.tag(x, spec.layout, grid, spec.shard)
         # a recompute under activation checkpointing runs this hook again on the same input, in backward,
         # where no frame is open: the grid is kept on the replicated input itself
         known = frame.grid if frame is not None else carrier.noted(x, _GRID_ATTR, {})
-        grid = ops.infer_grid(where, x, spec.layout, known, group=self.group)
+        grid, rows = self.split_plan(where, x, spec, known, members)
         carrier.note(x, _GRID_ATTR, grid)
         if frame is not None:
             frame.grid, frame.shard = grid, spec.shard
-        return ops.plan_split(where, x, spec.layout, grid, spec.shard, self.group)
+        if rows is not None:
+            return ops.cut(x, rows)
+        return ops.plan_split(where, x, spec.layout, grid, spec.shard, self.group, members=members)
 
-    def gather(self, where: str, x: Any, spec: Gather) -> Any:
+    def split_plan(self, where: str, x: torch.Tensor, spec: Split, known: dict[str, int],
+                   members: tuple[int, int]) -> tuple[dict[str, int], Any]:
+        """(``known`` completed with the axes of the full tensor ``x``: ``ops.infer_grid``, the block of rows this
+        rank's chunk is: ``ops.row_split``, or None), kept per (call site, shape, known lengths, members): a
+        forward's splits meet the same ones every step. The grid is shared, never changed. Keyed by the call site's
+        name, not ``id(spec)``: ``id`` is an audited builtin, a Python call into every audit hook (filelock, which
+        diffusers imports, installs one)."""
+        compiling = torch.compiler.is_compiling()  # the shapes may be symbolic (dynamic=True): no cache
+        key = None if compiling else (where, x.shape, tuple(known.items()), members)
+        hit = self.splits.get(key) if key is not None else None
+        if hit is None:
+            grid = ops.infer_grid(where, x, spec.layout, known, group=self.group)
+            rows = ops.row_split(where, x, spec.layout, grid, spec.shard, members) if members[0] > 1 else None
+            hit = (grid, rows)
+            if key is not None:
+                if len(self.splits) >= 256:
+                    self.splits.clear()
+                self.splits[key] = hit
+        return hit
+
+    def gather(self, where: str, x: Any, spec: Gather, found: tuple[Any, Any, bool] | None = None) -> Any:
+        """``x`` gathered (or under ``sharded_io`` switched back to the caller's axis); ``found``: what ``placed``
+        said of it, where the caller asked already."""
         frame = self.frame()
-        placed = ops.read_spec(x, spec.layout) if isinstance(x, torch.Tensor) else None
+        if found is None:
+            found = self.placed(where, spec, x) if isinstance(x, torch.Tensor) else (None, None, False)
+        _, placed, whole = found
         if placed is None and (frame is None or frame.shard is None):
             raise ValueError(f"{where}: the input carries no shard tag and no forward of this model is in "
                              f"progress; expected a sharded activation")
-        grid, shard = _complete(where, x, spec.layout, placed, frame) if placed is not None \
+        grid, shard = placed if whole else _complete(where, x, spec.layout, placed, frame) if placed is not None \
             else (frame.grid, frame.shard)
         if frame is not None and frame.sharded_io:  # the caller wants the shard back, on the axis it gave
             if frame.io_shard is not None and frame.io_shard != shard and frame.io_shard in spec.layout.axes:
                 x = ops.plan_switch(where, x, spec.layout, grid, shard, frame.io_shard, self.group,
-                                    comm_dtype=self.comm_dtype)
+                                    comm_dtype=self.comm_dtype, members=self.members(frame))
                 frame.shard = shard = frame.io_shard
             return ops.tag(x, spec.layout, grid, shard)
         if frame is not None:
             frame.shard = None
-        return ops.plan_gather(where, x, spec.layout, grid, shard, self.group)
+        return ops.plan_gather(where, x, spec.layout, grid, shard, self.group, members=self.members(frame))
 
     def block_pre(self, path: str, a: _Args, spec: Block) -> dict[str, Any]:
         """Place the block's activation (switching it when the block attends the sharded axis); return the
@@ -332,28 +383,14 @@ class _Runtime:
             raise ValueError(f"{path}: the block's activation {a.name(spec.arg)!r} is {type(x).__name__}; "
                              f"expected a tensor (set Block.arg)")
         frame = self.frame()
-        placed = ops.read_spec(x, spec.layout)
-        if placed is None:
-            if frame is None or frame.shard is None:
-                raise ValueError(f"{path}: the activation carries no shard tag and no forward of this model "
-                                 f"is in progress; expected a Split before this block")
-            # untagged: the frame holds the placement (the model, or a framework's module hook such as
-            # ZeRO-3's, passed a new tensor); the lengths of whole dims come from the tensor, like a tag's
-            x = ops.tag(x, spec.layout, frame.grid, frame.shard)  # so a recompute finds the placement on its input,
-            tagged = ops.read_spec(x, spec.layout)
-            if tagged is None:
-                raise ValueError(f"{path}: the activation of shape {tuple(x.shape)} is not in the block's layout "
-                                 f"'{spec.layout}'")
-            placed = ({**frame.grid, **tagged[0]}, frame.shard)
-            # and the lengths of the axes the tag does not hold
-            carrier.note(x, _GRID_ATTR, dict(placed[0]))
-        grid, shard = _complete(path, x, spec.layout, placed, frame)
+        tag, placed, whole = self.placed(path, spec, x)
+        grid, shard = placed if whole else self.place_untagged(path, x, spec, placed, frame)
         if spec.attends is not None and spec.attends == shard:
             if spec.then is None:
                 raise ValueError(f"{path}: the block attends {shard!r}, the sharded axis; set Block.then to "
                                  f"the axis to switch to")
             x = ops.plan_switch(path, x, spec.layout, grid, shard, spec.then, self.group,
-                                comm_dtype=None if spec.exact else self.comm_dtype)
+                                comm_dtype=None if spec.exact else self.comm_dtype, members=self.members(frame))
             shard = spec.then
         if x is not original:  # switched; else the call's own argument stands (tagged in place)
             a.set(spec.arg, x)
@@ -361,9 +398,53 @@ class _Runtime:
             c = a.get(name)
             if isinstance(c, torch.Tensor) and shard in rows.axes:
                 a.set(name, _split_rows(f"{path}: follow {name!r}", c, rows, grid, shard, self.group))
-        state: dict[str, Any] = {"empty": x.numel() == 0, "mode": None}
+        # the input's tag, where it is the output's too (not switched): block_post tags with it, not a new one
+        state: dict[str, Any] = {"empty": x.numel() == 0, "mode": None, "tag": tag if x is original else None}
         frames().append(("block", spec, grid, shard, state))
         return state
+
+    def placed(self, site: str, spec: Block | Gather, x: torch.Tensor) -> tuple[Any, Any, bool]:
+        """(the tag on ``x`` itself, its placement read in the spec's layout: ``ops.read_spec``, whether that holds
+        every global length the layout needs: no ``placement.complete`` then). Kept per call site (``site``: the
+        block's path, the gather's name) when it does, so the next forward's same tag on the same shape is not read
+        again (tags are immutable and, made by ``ops.spec_for``, one object per placement). Without a tag of its
+        own (an alias's, or none): (None, ...)."""
+        tag = getattr(x, carrier.TAG_ATTR, None)
+        compiling = torch.compiler.is_compiling()  # the shapes may be symbolic (dynamic=True): no cache
+        if tag is not None and not compiling:
+            hit = self.tag_placed.get(site)
+            if hit is not None and hit[0] is tag and hit[1] == x.shape:
+                return tag, hit[2], True
+        placed = ops.read_spec(x, spec.layout)
+        if tag is None or placed is None or compiling:
+            return None, placed, False
+        grid, shard = placed
+        if not (shard in grid and all(ax in grid for names in spec.layout.dims if len(names) > 1 for ax in names)):
+            return tag, placed, False
+        if len(self.tag_placed) >= 256:
+            self.tag_placed.clear()
+        self.tag_placed[site] = (tag, x.shape, placed)
+        return tag, placed, True
+
+    def place_untagged(self, path: str, x: torch.Tensor, spec: Block, placed: Any,
+                       frame: Frame | None) -> tuple[dict[str, int], str]:
+        """The block input's placement, completed (``placement.complete``): from its tag (``placed``), or where
+        it carries none, from the forward's frame (``x`` is tagged then, for a recompute)."""
+        if placed is None:
+            if frame is None or frame.shard is None:
+                raise ValueError(f"{path}: the activation carries no shard tag and no forward of this model "
+                                 f"is in progress; expected a Split before this block")
+            # untagged: the frame holds the placement (the model, or a framework's module hook such as
+            # ZeRO-3's, passed a new tensor); the lengths of whole dims come from the tensor, like a tag's
+            ops.tag(x, spec.layout, frame.grid, frame.shard)  # in place, so a recompute finds the placement on
+            tagged = ops.read_spec(x, spec.layout)             # its input,
+            if tagged is None:
+                raise ValueError(f"{path}: the activation of shape {tuple(x.shape)} is not in the block's layout "
+                                 f"'{spec.layout}'")
+            placed = ({**frame.grid, **tagged[0]}, frame.shard)
+            # and the lengths of the axes the tag does not hold
+            carrier.note(x, _GRID_ATTR, dict(placed[0]))
+        return _complete(path, x, spec.layout, placed, frame)
 
     def on_shard(self, path: str, a: _Args, spec: OnShard, original: Any) -> None:
         frame = self.frame()
@@ -403,8 +484,11 @@ class _Runtime:
         first = output[0] if isinstance(output, tuple) else output
         if spec.out_shard is not None and spec.out_shard != shard:
             first = ops.plan_switch(path, first, spec.layout, grid, shard, spec.out_shard, self.group, tail=True,
-                                    comm_dtype=None if spec.exact else self.comm_dtype)
+                                    comm_dtype=None if spec.exact else self.comm_dtype,
+                                    members=self.members(self.frame()))
             shard = spec.out_shard
+        elif state["tag"] is not None and isinstance(first, torch.Tensor):
+            first = carrier.attach_spec(first, state["tag"])  # the input's placement: the same tag ops.tag would make
         else:
             first = ops.tag(first, spec.layout, grid, shard)
         frame = self.frame()
@@ -459,6 +543,18 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None, *, com
     rt.handles.extend(every_gradient.install(model, group=functools.partial(_gradient_group, group)))
     model._dsp_plan_runtime = rt
     return model
+
+
+def _signature_of(value: object) -> object:
+    """What ``check_inputs`` recognizes a call's arguments by: tensors' shapes and dtypes, containers' layout, other
+    values' types (``agree_inputs`` compares the values themselves, when the signature is new)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape, value.dtype
+    if isinstance(value, (list, tuple)):
+        return tuple([_signature_of(v) for v in value])
+    if isinstance(value, dict):
+        return tuple([(k, _signature_of(v)) for k, v in value.items()])
+    return type(value)
 
 
 def _gradient_group(group: Any) -> Any:
