@@ -84,20 +84,14 @@ class HeadsCall:
     def __init__(self, where: str, lengths: list[tuple[int, int]], axis: int, group: Any,
                  joint: str | None = None, comm_dtype: object = None, exact: tuple[str, ...] = (),
                  io_masks: dict[int, tuple[Any, Any]] | None = None, *, sdpa: bool = True,
-                 members: tuple[int, int] | None = None) -> None:
+                 members: tuple[int, int] | None = None, fixed: dict[str, Any] | None = None) -> None:
         n, rank = (group_size(group), group_rank(group)) if members is None else members
         if torch.compiler.is_compiling():  # traced once; the lengths may be symbolic (dynamic=True): no cache
             fixed = _fixed(where, lengths, axis, n, rank, joint, comm_dtype, exact)
-        else:  # keyed by the group's size and this rank's place, not the group (a destroyed one would stay alive)
-            key = (where, tuple(lengths), axis, n, rank, joint, comm_dtype, exact)
-            fixed = _FIXED.get(key)
-            if fixed is None:  # the first call of this placement: what it fixes, kept for the next calls
-                fixed = _fixed(where, lengths, axis, n, rank, joint, comm_dtype, exact)
-                if len(_FIXED) >= _FIXED_LIMIT:
-                    _FIXED.clear()
-                _FIXED[key] = fixed
-        for name, value in fixed.items():  # not __dict__.update: torch 2.11's dynamo cannot trace it
-            setattr(self, name, value)
+            for name, value in fixed.items():  # not __dict__.update: torch 2.11's dynamo cannot trace it
+                setattr(self, name, value)
+        else:  # ``fixed``: the caller's (enter_heads), for this placement
+            self.__dict__.update(fixed or _fixed_for(where, lengths, axis, n, rank, joint, comm_dtype, exact))
         self.group = group
         # under sharded_io, sharded on the axis the model is fed shards of: the forward's cache of key-padding
         # masks laid out for the global sequence, by the mask's identity (plan/masks.py); None otherwise
@@ -188,10 +182,18 @@ class HeadsCall:
         """``attend`` where q, k, v switch as they are: the sequence one axis (or a fold that splits evenly), no
         replicated tokens, no mask. The same collectives and kernel as the general path, without its views."""
         full, comm_dtype, group = self.switch_full[0], self.comm_dtype, self.group
-        exact = self.exact_in
-        q, k, v = recompute.replay((self.where, "to_heads", call), lambda q, k, v: exchange._to_heads(
-            q, k, v, seq_dim=seq, head_dim=head, group=group, global_len=full, replicated=None,
-            comm_dtype=comm_dtype, exact=exact), q, k, v)
+        exact, out_dtype = self.exact_in, self.out_dtype
+
+        def switch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
+            return exchange._to_heads(q, k, v, seq_dim=seq, head_dim=head, group=group, global_len=full,
+                                      replicated=None, comm_dtype=comm_dtype, exact=exact)
+
+        def back(o: torch.Tensor) -> torch.Tensor:
+            return exchange.from_heads(o, seq_dim=seq, head_dim=head, group=group, global_len=full, heads=heads,
+                                       comm_dtype=out_dtype)
+
+        direct = recompute.idle()  # nothing kept or replayed (no checkpoint, or inference): the collectives as such
+        q, k, v = switch(q, k, v) if direct else recompute.replay((self.where, "to_heads", call), switch, q, k, v)
         if mine_heads[1] == 0:  # as in attend
             out = v.clone()
         else:
@@ -200,9 +202,7 @@ class HeadsCall:
                 out = kernel(q, k, v, None)
             finally:
                 self.in_kernel = False
-        out_dtype = self.out_dtype
-        return recompute.replay((self.where, "from_heads", call), lambda o: exchange.from_heads(
-            o, seq_dim=seq, head_dim=head, group=group, global_len=full, heads=heads, comm_dtype=out_dtype), out)
+        return back(out) if direct else recompute.replay((self.where, "from_heads", call), back, out)
 
     def _io_mask(self, mask: torch.Tensor, count: int) -> torch.Tensor:
         """A key-padding mask the model built under ``sharded_io`` (from its ``R + L_local`` tokens, or for
@@ -244,6 +244,26 @@ def _unfolded(t: torch.Tensor, dim: int, lengths: list[int]) -> torch.Tensor:
 
 _FIXED: dict[tuple[Any, ...], dict[str, Any]] = {}  # a Heads placement -> what it fixes (HeadsCall.__init__)
 _FIXED_LIMIT = 1024
+
+
+def _fixed_for(where: str, lengths: list[tuple[int, int]], axis: int, n: int, rank: int, joint: str | None,
+               comm_dtype: object, exact: tuple[str, ...]) -> dict[str, Any]:
+    """``_fixed``, kept per placement for the next calls (eager only). Keyed by the group's size and this rank's
+    place, not the group (a destroyed one would stay alive)."""
+    key = (where, tuple(lengths), axis, n, rank, joint, comm_dtype, exact)
+    fixed = _FIXED.get(key)
+    if fixed is None:  # the first call of this placement: what it fixes, kept for the next calls
+        fixed = _fixed(where, lengths, axis, n, rank, joint, comm_dtype, exact)
+        if len(_FIXED) >= _FIXED_LIMIT:
+            _FIXED.clear()
+        _FIXED[key] = fixed
+    return fixed
+
+
+# a Heads module path -> (the grid, the layout, its placement, what enter_heads made of it last: lengths, sharded axis
+# index, the fixed attributes): the next call in the same placement (the same grid object, kept on the block's input
+# tag by the runtime) takes them as they are
+_PLACED: dict[str, tuple[Any, ...]] = {}
 
 
 def _fixed(where: str, lengths: list[tuple[int, int]], axis: int, n: int, rank: int,
@@ -325,12 +345,24 @@ def enter_heads(where: str, group: Any, joint: str | None = None, *, comm_dtype:
         raise ValueError(f"{where}: a Heads module must run inside a Block of the plan (its placement gives "
                          f"the global sequence length)")
     grid, shard, lay = block
-    names = lay.dims[lay.dim_of(shard)]
     n, rank = (group_size(group), group_rank(group)) if members is None else members
-    lengths = [(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a], grid[a]) for a in names]
     io_masks = io[1] if io is not None and io[0] == shard else None
-    call = HeadsCall(where, lengths, names.index(shard), group, joint, comm_dtype, exact, io_masks, sdpa=sdpa,
-                     members=(n, rank))
+    compiling = torch.compiler.is_compiling()
+    placement = (shard, n, rank, joint, comm_dtype, exact)
+    hit = None if compiling else _PLACED.get(where)
+    if hit is not None and hit[0] is grid and hit[1] is lay and hit[2] == placement:
+        lengths, axis, fixed = hit[3:]
+    else:
+        names = lay.dims[lay.dim_of(shard)]
+        lengths = [(chunk_sizes(grid[a], n)[rank] if a == shard else grid[a], grid[a]) for a in names]
+        axis = names.index(shard)
+        fixed = None if compiling else _fixed_for(where, lengths, axis, n, rank, joint, comm_dtype, exact)
+        if not compiling:
+            if len(_PLACED) >= _FIXED_LIMIT:
+                _PLACED.clear()
+            _PLACED[where] = (grid, lay, placement, lengths, axis, fixed)
+    call = HeadsCall(where, lengths, axis, group, joint, comm_dtype, exact, io_masks, sdpa=sdpa, members=(n, rank),
+                     fixed=fixed)
     # under torch.compile only diffusers' dispatch is intercepted: dynamo cannot trace a TorchFunctionMode
     # entered outside a ``with``; a model that calls SDPA directly then ends its Heads call unswitched,
     # which exit_heads refuses (never a silent local attention)
@@ -338,9 +370,10 @@ def enter_heads(where: str, group: Any, joint: str | None = None, *, comm_dtype:
     if call.mode_entered:
         call.mode = _HeadSwitchMode(call)
         call.mode.__enter__()
-    if not hasattr(_local, "calls"):
-        _local.calls = []
-    _local.calls.append(call)
+    calls = getattr(_local, "calls", None)
+    if calls is None:
+        calls = _local.calls = []
+    calls.append(call)
 
 
 def exit_heads() -> HeadsCall | None:

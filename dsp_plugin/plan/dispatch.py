@@ -100,7 +100,8 @@ def _wrap_backend(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
             given = kwargs | {"query": q, "key": k, "value": v}
             if "attn_mask" in kwargs:
                 given["attn_mask"] = mask
-            _deferred_checks(name, given)
+            if _REGISTRY and _REGISTRY[0]._checks_enabled:  # diffusers' DIFFUSERS_ATTN_CHECKS (off by default)
+                _deferred_checks(name, given)
             return fn(**given)
 
         if call.mode_entered and _top_function_mode() is call.mode:

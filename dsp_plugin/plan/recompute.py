@@ -58,7 +58,7 @@ import torch
 import torch.utils.checkpoint
 from torch.autograd.graph import get_gradient_edge
 
-__all__ = ["forward_starts", "kept", "replay"]
+__all__ = ["forward_starts", "idle", "kept", "replay"]
 
 _lock = threading.Lock()
 
@@ -198,6 +198,20 @@ class _Replay(torch.autograd.Function):
             for i, g in zip(ins, got):
                 result[i] = g
         return (None, *result)
+
+
+def idle() -> bool:
+    """Whether :func:`replay` would only call its function now (and so may be skipped for a direct call): not
+    in a recompute, nothing to keep (grad off or no checkpoint region), no tail to drop. Asked once for the
+    collectives of one attention call (their grad mode and checkpoint region are the same)."""
+    if torch.compiler.is_compiling():
+        return True
+    if _backward_running():
+        return False
+    gen = _current
+    if gen is not None and gen.tails:
+        return False
+    return not torch.is_grad_enabled() or _pack_hook() is None
 
 
 def replay(key: Any, fn: Callable[..., Any], *inputs: Any, enabled: bool = True, tail: bool = False) -> Any:
