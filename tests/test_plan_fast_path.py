@@ -30,6 +30,32 @@ def test_layout_axes_and_dims_survive_copy_and_pickle() -> None:
         lay.dim_of("T")
 
 
+def test_a_tag_is_found_on_a_detached_alias_however_late_it_is_asked() -> None:
+    """Tags are keyed for the lookup by alias lazily (``layout._pending``): what the lookup finds is what it found
+    when every tag was keyed at once."""
+    import gc
+
+    import torch
+
+    from dsp_plugin import layout
+
+    x = torch.randn(4, 6)
+    layout.attach(x, 0, 8)
+    y = x.detach()  # an alias (what reentrant checkpointing recomputes on): the same view, a new object, no tag
+    assert layout.shard_spec(y) == layout.ShardSpec(0, 8)
+    assert layout.shard_spec(x[1:].detach()) is None  # another view of the same memory: not the same shard
+    again = x.detach()
+    layout.attach(again, 0, 9)  # the same view tagged later: the later tag wins
+    assert layout.shard_spec(x.detach()) == layout.ShardSpec(0, 9)
+    del x, again
+    gc.collect()
+    assert layout.shard_spec(y) is None  # the tagged tensors are gone: so are their keys
+    assert not any(ref() is None for ref in layout._aliases.values())
+    for _ in range(3 * layout._PENDING_LIMIT):  # a loop that never looks up: the pending list stays bounded
+        layout.attach(torch.randn(3), 0, 6)
+    assert len(layout._pending) <= layout._PENDING_LIMIT
+
+
 def test_a_tag_is_one_object_per_placement() -> None:
     lay = Layout.parse("B (F HW) D")
     a = ops.spec_for(lay, {"B": 1, "F": 5, "HW": 6, "D": 8}, "F")
@@ -55,3 +81,54 @@ def test_heads_calls_share_their_placement_but_not_their_group() -> None:
     assert all(value is not group for fixed in attention._FIXED.values() for value in fixed.values())
     first.attended = 2  # per-call state stays per call
     assert again.attended == 0
+
+
+def _changing_shapes(rank: int, n: int) -> dict[str, float | int]:
+    """Wan and Latte on 2 gloo ranks, called with lengths that change from call to call (what a sampling loop of
+    several resolutions does): each output is the one-process one, whatever the runtime kept from earlier calls."""
+    import torch
+
+    import dsp_plugin
+    from dsp_plugin.plan import attention as heads
+    from dsp_plugin.testing.tiny import tiny_latte, tiny_wan
+
+    result: dict[str, float | int] = {}
+    for name, reference in (("wan", tiny_wan(layers=2, heads=3, head_dim=8).double()),
+                            ("latte", tiny_latte(frames=5, layers=2, heads=3, head_dim=4, sample_size=6).double())):
+        model = dsp_plugin.parallelize(copy.deepcopy(reference))
+        rt = model._dsp_plan_runtime
+        worst = 0.0
+        # frames (latte: fixed by its positional table), side, batch; the first shape comes back at the end
+        shapes = [(5, 6, 2), (3, 4, 1), (5, 6, 2), (4, 6, 2), (5, 6, 2)] if name == "wan" else \
+            [(5, 6, 2), (5, 4, 1), (5, 6, 2)]
+        for i, (frames, side, batch) in enumerate(shapes):
+            g = torch.Generator().manual_seed(i)
+            channels = 4
+            latents = torch.randn(batch, channels, frames, side, side, generator=g, dtype=torch.float64)
+            timestep = torch.tensor([3, 700][:batch])
+            text = torch.randn(batch, 7, 16, generator=g, dtype=torch.float64)
+            grad = torch.is_grad_enabled() if i % 2 else False
+            with torch.set_grad_enabled(grad):
+                want = reference(latents, timestep, text, return_dict=False)[0]
+                got = model(latents, timestep, text, return_dict=False)[0]
+            worst = max(worst, (got - want).abs().max().item() / want.abs().max().item())
+        result[f"{name}_error"] = worst
+        result[f"{name}_splits"] = len(rt.splits)
+        result[f"{name}_tags"] = len(rt.tag_placed)
+    result["heads_placed"] = sum(path.endswith("attn1") for path in heads._PLACED)
+    return result
+
+
+def test_the_runtime_s_caches_follow_changing_shapes() -> None:
+    """The runtime keeps what a placement fixes (a split's grid and rows, a block input's placement read from its
+    tag, a Heads call's lengths) and reuses it while the call is the same; a call of other lengths must get its
+    own, never the last one's. Wan (folded ``(F HW)``, tag holds every length) and Latte (``(B T) S D``, whose tags
+    lack the folded batch: read and completed on every call, never kept)."""
+    from tests.distributed import run_distributed
+
+    for rank, d in enumerate(run_distributed(_changing_shapes, 2)):
+        assert d["wan_error"] < 1e-12 and d["latte_error"] < 1e-12, (rank, d)
+        # per shape (3): rope's cos, its sin (the grid known by then is the cos's: another key), the first block's
+        # tokens; one tag entry per block (proj_out's output is untagged: none)
+        assert (d["wan_splits"], d["wan_tags"]) == (3 * 3, 2), d
+        assert d["heads_placed"] >= 2, d  # Wan's 2 self-attentions at least (Latte's too)
