@@ -221,6 +221,9 @@ RULES: list[Rule] = [
          tests=("tests/test_heads.py::test_the_api_example_runs_on_two_ranks",)),
     Rule(r"PYTHONPATH=\. python scripts/check_cost\.py", "run", subs=((r"^PYTHONPATH=\. python", sys.executable),),
          expect="us per call"),
+    Rule(r"PYTHONPATH=\. python scripts/runtime_cost\.py", "run",
+         subs=((r"^PYTHONPATH=\. python", sys.executable), (r"\s*$", " --size 2,4,8,4,8 --rounds 20")),
+         expect="Python calls in the runtime per forward"),
     Rule(r"docs/megatron\.md:bash:F=\"--position-embedding-type rope", "covered",
          tests=("tests/test_megatron_paper_model.py",), why="the flags the two run_megatron.sh lines below take"),
     # ---- the GPU path --------------------------------------------------------------------------------------
