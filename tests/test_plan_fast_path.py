@@ -132,3 +132,33 @@ def test_the_runtime_s_caches_follow_changing_shapes() -> None:
         # tokens; one tag entry per block (proj_out's output is untagged: none)
         assert (d["wan_splits"], d["wan_tags"]) == (3 * 3, 2), d
         assert d["heads_placed"] >= 2, d  # Wan's 2 self-attentions at least (Latte's too)
+
+
+def _saved_whole(rank: int, n: int) -> float:
+    import io
+
+    import torch
+
+    import dsp_plugin
+    from dsp_plugin.testing.tiny import tiny_wan
+
+    model = dsp_plugin.parallelize(tiny_wan(layers=1, heads=3, head_dim=8).double())
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(1, 4, 4, 4, 4, generator=g, dtype=torch.float64), torch.tensor([3]),
+             torch.randn(1, 5, 16, generator=g, dtype=torch.float64))
+    with torch.no_grad():
+        before = model(*batch, return_dict=False)[0]
+        buffer = io.BytesIO()
+        torch.save(model, buffer)  # after a forward: with what the hooks keep across forwards
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        assert loaded._dsp_plan_runtime.splits == {} and model._dsp_plan_runtime.splits
+        return (loaded(*batch, return_dict=False)[0] - before).abs().max().item()
+
+
+def test_a_parallelized_model_saved_whole_after_a_forward_loads_and_runs() -> None:
+    """``torch.save(model)`` of a whole parallelized model pickles its runtime: not what the hooks keep across
+    forwards (dropped, refilled by the next forward), and nothing that cannot be pickled."""
+    from tests.distributed import run_distributed
+
+    assert run_distributed(_saved_whole, 2) == [0.0, 0.0]

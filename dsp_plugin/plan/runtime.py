@@ -70,10 +70,8 @@ INPUT_HINT = ("Seed every rank alike before drawing inputs (torch.manual_seed, o
               "inputs are this rank's shards on purpose, call the model under dsp_plugin.plan.sharded_io.")
 
 _ONSHARD_ATTR = "_dsp_plan_on_shard"
-
-
-def _dead() -> None:  # a weak reference to nothing: no group seen yet
-    return None
+# a process group's ranks, for check_inputs' signature (fixed for the group's life; the group held weakly)
+_RANKS: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
 
 _UNSEEN = object()  # a Heads module not known to attend through diffusers' dispatch alone
 
@@ -91,7 +89,6 @@ class _Runtime:
         self.splits: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # split_plan's: (site, shape, ...) -> plan
         self.tag_placed: dict[str, tuple[Any, ...]] = {}  # placed's: block/gather site -> (tag, shape, placement)
         self.handles: list[Any] = []
-        self.ranks: tuple[Any, tuple[int, ...]] = (_dead, ())  # check_inputs': (the group, weakly; its ranks)
 
     # -- frames ---------------------------------------------------------------
     def frame(self) -> Frame | None:
@@ -137,10 +134,12 @@ class _Runtime:
         if group is None or not dist.is_initialized():
             return  # one process: nothing to agree (agree_inputs returns at once too)
         name = f"parallelize({type(module).__name__})"
-        ranks = self.ranks[1] if self.ranks[0]() is group else None
-        if ranks is None:
+        try:
+            ranks = _RANKS.get(group)
+        except TypeError:  # not weak-referenceable (torch's NON_GROUP_MEMBER sentinel): asked, not kept
             ranks = tuple(dist.get_process_group_ranks(group))
-            self.ranks = (weakref.ref(group), ranks)
+        if ranks is None:
+            ranks = _RANKS[group] = tuple(dist.get_process_group_ranks(group))
         seen = ("plan inputs", name, ranks, _signature_of(a.args), _signature_of(a.kwargs))
         if not checks.needs_check_for(seen):
             return
@@ -160,6 +159,14 @@ class _Runtime:
         n = self.members(frame)[0]
         return _map_tensors(output, lambda t: ops.scale_grad(t, 1.0 / n))
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save`` of a whole parallelized model) without what the hooks keep across forwards."""
+        return {k: v for k, v in self.__dict__.items() if k not in ("splits", "tag_placed")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.splits, self.tag_placed = {}, {}
+
     def __deepcopy__(self, memo: dict[int, Any]) -> _Runtime:
         """The runtime of a deep copy of the model (an EMA copy): the copy's modules, the same plan and group.
 
@@ -170,7 +177,7 @@ class _Runtime:
         memo[id(self)] = new
         new.plan, new.group, new.grid, new.comm_dtype = self.plan, self.group, self.grid, self.comm_dtype
         new.via_dispatch, new.heads = {}, self.heads  # the copy's modules have their own processors: learnt again
-        new.splits, new.tag_placed, new.ranks = {}, {}, (_dead, ())  # the copy's own
+        new.splits, new.tag_placed = {}, {}  # the copy's own
         new.model = copy.deepcopy(self.model, memo)
         new.entries = [(path, copy.deepcopy(module, memo), specs) for path, module, specs in self.entries]
         new.handles = copy.deepcopy(self.handles, memo)
