@@ -19,7 +19,7 @@ from dsp_plugin.plan import ops
 from dsp_plugin.plan.frames import Frame
 from dsp_plugin.plan.spec import Split
 
-__all__ = ["GRID_ATTR", "complete", "is_full", "split_rows"]
+__all__ = ["GRID_ATTR", "complete", "holds_all", "is_full", "split_rows"]
 
 GRID_ATTR = "_dsp_plan_grid"
 
@@ -32,9 +32,9 @@ def complete(where: str, x: torch.Tensor, lay: Any, placed: tuple[dict[str, int]
     takes them from the forward's frame, or in a recompute from the input itself.
     """
     grid, shard = placed
-    needed = [ax for names in lay.dims if len(names) > 1 for ax in names] + [shard]  # a whole dim: its shape
-    if all(ax in grid for ax in needed):
+    if holds_all(lay, grid, shard):
         return grid, shard
+    needed = [ax for names in lay.dims if len(names) > 1 for ax in names] + [shard]  # a whole dim: its shape
     known = {**(frame.grid if frame is not None else {}), **carrier.noted(x, GRID_ATTR, {})}
     grid = {**{ax: known[ax] for ax in lay.axes if ax in known}, **grid}
     missing = [ax for ax in needed if ax not in grid]
@@ -43,6 +43,12 @@ def complete(where: str, x: torch.Tensor, lay: Any, placed: tuple[dict[str, int]
                          f"activation's tag and no forward of this model is in progress")
     carrier.note(x, GRID_ATTR, grid)  # a recompute (no frame) finds them on its input
     return grid, shard
+
+
+def holds_all(lay: Any, grid: dict[str, int], shard: str) -> bool:
+    """Whether ``grid`` has every global length ``complete`` needs: the sharded axis and every axis folded with
+    others (a whole dim's length is its shape's)."""
+    return shard in grid and all(ax in grid for names in lay.dims if len(names) > 1 for ax in names)
 
 
 def is_full(x: torch.Tensor, spec: Split, grid: dict[str, int]) -> bool:

@@ -58,6 +58,7 @@ from dsp_plugin.plan.frames import (
 )
 from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
 from dsp_plugin.plan.placement import complete as _complete
+from dsp_plugin.plan.placement import holds_all as _holds_all
 from dsp_plugin.plan.placement import is_full as _is_full
 from dsp_plugin.plan.placement import split_rows as _split_rows
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
@@ -425,8 +426,7 @@ class _Runtime:
         placed = ops.read_spec(x, spec.layout)
         if tag is None or placed is None or compiling:
             return None, placed, False
-        grid, shard = placed
-        if not (shard in grid and all(ax in grid for names in spec.layout.dims if len(names) > 1 for ax in names)):
+        if not _holds_all(spec.layout, *placed):
             return tag, placed, False
         if len(self.tag_placed) >= 256:
             self.tag_placed.clear()
@@ -489,16 +489,15 @@ class _Runtime:
         if output is None:
             return None
         first = output[0] if isinstance(output, tuple) else output
+        frame = self.frame()
         if spec.out_shard is not None and spec.out_shard != shard:
             first = ops.plan_switch(path, first, spec.layout, grid, shard, spec.out_shard, self.group, tail=True,
-                                    comm_dtype=None if spec.exact else self.comm_dtype,
-                                    members=self.members(self.frame()))
+                                    comm_dtype=None if spec.exact else self.comm_dtype, members=self.members(frame))
             shard = spec.out_shard
         elif state["tag"] is not None and isinstance(first, torch.Tensor):
             first = carrier.attach_spec(first, state["tag"])  # the input's placement: the same tag ops.tag would make
         else:
             first = ops.tag(first, spec.layout, grid, shard)
-        frame = self.frame()
         if frame is not None:
             frame.grid, frame.shard = grid, shard
         return (first, *output[1:]) if isinstance(output, tuple) else first
