@@ -540,15 +540,30 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None, *, com
         specs = [s for s in specs if not isinstance(s, Grid)]
         if not specs:
             continue
-        rt.handles.append(module.register_forward_pre_hook(_Hook(rt, "pre", path, specs), with_kwargs=True))
-        rt.handles.append(module.register_forward_hook(_Hook(rt, "post", path, specs), with_kwargs=True,
-                                                       always_call=True))
+        # only the hooks that act: a module call with a hook costs torch's hook dispatch and our call
+        if any(_acts_before(s) for s in specs):
+            rt.handles.append(module.register_forward_pre_hook(_Hook(rt, "pre", path, specs), with_kwargs=True))
+        if any(_acts_after(s) for s in specs):
+            rt.handles.append(module.register_forward_hook(_Hook(rt, "post", path, specs), with_kwargs=True,
+                                                           always_call=True))
     # the model's own post-hook last: it closes the frame after every module hook ran
     rt.handles.append(model.register_forward_hook(rt.root_post, with_kwargs=True, always_call=True))
     # a parameter some ranks use and others not gets a (zero) gradient on every rank (DDP, ZeRO)
     rt.handles.extend(every_gradient.install(model, group=functools.partial(_gradient_group, group)))
     model._dsp_plan_runtime = rt
     return model
+
+
+def _acts_before(spec: Any) -> bool:
+    """Whether ``spec`` does something in its module's pre-hook (``_Runtime.pre``)."""
+    return isinstance(spec, (Block, Heads, OnShard, Positions)) or (
+        isinstance(spec, (Split, Gather)) and spec.arg != "out")
+
+
+def _acts_after(spec: Any) -> bool:
+    """Whether ``spec`` does something in its module's post-hook (``_Runtime.post``): a ``Split`` or ``Gather`` of
+    an input acts before the call only, ``Positions`` and ``OnShard`` too."""
+    return isinstance(spec, (Block, Heads)) or (isinstance(spec, (Split, Gather)) and spec.arg == "out")
 
 
 def _signature_of(value: object) -> object:
