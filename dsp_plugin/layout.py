@@ -13,8 +13,8 @@ A tag is a plain attribute of the tensor object. Two things drop attributes:
 - ``detach()`` and other aliases make a new tensor object. Reentrant activation
   checkpointing (torch's and Megatron's) recomputes on detached inputs, so a
   tag is also found through a live *alias* of the same memory: a tagged tensor is
-  remembered, weakly, by ``(data_ptr, storage offset, shape, stride, dtype,
-  device)``, and a tensor with exactly that view of the same memory is the same
+  remembered, weakly, by the address of its first element (``data_ptr``), shape,
+  stride, dtype and device, and a tensor with exactly that view of the same memory is the same
   shard.
 - Module code makes new tensors: a block's output is not its input. The DSP plan
   (``dsp_plugin.plan.runtime``) carries the tag from a block's input to its output
@@ -98,7 +98,7 @@ def _forget(ref: _Alias) -> None:
     _remove_dead_weakref(_aliases, ref.key)
 
 
-# (data_ptr, storage_offset, shape, stride, dtype, device) -> the noted tensor, weakly. A dict's single get, set and
+# (data_ptr, shape, stride, dtype, device) -> the noted tensor, weakly (``_alias_key``). A dict's single get, set and
 # conditional removal are atomic: no lock.
 _aliases: dict[tuple[object, ...], _Alias] = {}
 
@@ -138,9 +138,16 @@ def storage_address(x: torch.Tensor) -> int:
 
 
 def _alias_key(x: torch.Tensor) -> tuple[object, ...] | None:
+    """The same view of the same memory, as a key: the first element's address (a real tensor's ``data_ptr``; a
+    fake one's storage object and offset, ``storage_address``), shape, strides, dtype and device. None for an empty
+    or meta tensor (data pointer 0: no identity to key on)."""
+    functional = torch._is_functional_tensor(x)
+    if (type(x) is torch.Tensor and not functional) or not (functional or is_fake(x)):  # fake: asked only then
+        address = x.data_ptr()  # one call for the storage's address and offset (what storage_address costs twice)
+        return None if address == 0 else (address, x.shape, x.stride(), x.dtype, x.device)
     if x.is_meta or x.numel() == 0:
-        return None  # empty tensors share data_ptr 0: no identity to key on
-    return (storage_address(x), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype, x.device)
+        return None
+    return (storage_address(x), x.storage_offset(), x.shape, x.stride(), x.dtype, x.device)
 
 
 def attach(x: torch.Tensor, dim: int, global_len: int, *, grid: tuple[int, ...] = (),
