@@ -51,6 +51,20 @@ def test_a_tag_is_found_on_a_detached_alias_however_late_it_is_asked() -> None:
     gc.collect()
     assert layout.shard_spec(y) is None  # the tagged tensors are gone: so are their keys
     assert not any(ref() is None for ref in layout._aliases.values())
+    z = torch.randn(4, 6)
+    layout.attach(z, 0, 8)  # keyed by its first element's address, shape, strides, dtype and device:
+    assert layout.shard_spec(z.detach()) == layout.ShardSpec(0, 8)
+    assert layout.shard_spec(z.detach().view(-1)) is None  # the same first element, another shape
+    assert layout.shard_spec(z.detach().view(torch.int32)) is None  # another dtype
+    assert layout.shard_spec(z.detach().t().t()) == layout.ShardSpec(0, 8)  # the same view, made another way
+    assert layout.shard_spec(z[0:0].detach()) is None  # empty: no identity
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():  # fake storages have no address: keyed by the storage object and offset
+        f = torch.empty(4, 6)
+        layout.attach(f, 0, 8)
+        assert layout.shard_spec(f.detach()) == layout.ShardSpec(0, 8)
+        assert layout.shard_spec(f[1:].detach()) is None and layout.shard_spec(torch.empty(4, 6)) is None
     for _ in range(3 * layout._PENDING_LIMIT):  # a loop that never looks up: the pending list stays bounded
         layout.attach(torch.randn(3), 0, 6)
     assert len(layout._pending) <= layout._PENDING_LIMIT
@@ -162,3 +176,23 @@ def test_a_parallelized_model_saved_whole_after_a_forward_loads_and_runs() -> No
     from tests.distributed import run_distributed
 
     assert run_distributed(_saved_whole, 2) == [0.0, 0.0]
+
+
+def test_only_the_hooks_that_act_are_registered() -> None:
+    """A module call with a hook costs torch's hook dispatch and the hook's call: ``parallelize`` registers a
+    pre-hook only where a spec acts before the call, a post-hook only where one acts after it."""
+    import torch
+
+    import dsp_plugin
+    from dsp_plugin.bench.wan import QUICK, _setup
+
+    torch.manual_seed(0)
+    model = dsp_plugin.parallelize(_setup(QUICK)[0])  # the built-in WAN_PLAN; no forward, no process group
+
+    def counts(module: torch.nn.Module) -> tuple[int, int]:
+        return len(module._forward_pre_hooks), len(module._forward_hooks)
+
+    assert counts(model.proj_out) == (0, 1)  # Gather("out"): after the call only
+    assert counts(model.rope) == (1, 1)  # Positions before, Split("out") after
+    assert counts(model.blocks[0]) == (1, 1) and counts(model.blocks[0].attn1) == (1, 1)  # Block, Heads
+    assert counts(model.blocks[0].attn2) == (0, 0)  # not in the plan
