@@ -31,6 +31,8 @@ def test_costs_section_runs_and_prints_its_rows(tmp_path) -> None:
         # first call each Heads module runs without it: plan.runtime's _learn, tests/test_plan_sdpa_level.py)
         assert r["calls"] > 0 and r["mode_calls"] == 0, r
         assert 0 < r["plan_cpu_ms"] and r["total_share"] > 0, r
+        # the clock's own reads were measured in the ranks and taken off the hooks' time
+        assert r["plan_raw_cpu_ms"] > r["plan_cpu_ms"] and r["clock_us"]["plan_cpu"] > 0, r
     assert table.count("plan runtime's share of a Wan") == 2
     written = costs.write(result, tmp_path)
     assert all(p.stat().st_size > 0 for p in written)

@@ -27,6 +27,9 @@ call each, while a ``Heads`` module runs; its cost is measured A/B against steps
 where no op passed through it: a module seen attending through diffusers' dispatch alone runs without it,
 ``plan.runtime``). The timed steps run beside untimed ones in alternating order,
 so the clock's own cost shows as the difference of the two step times (``step_ms`` against ``untimed_ms``).
+The part of it that lands inside the runtime's time (each timed call's clock reads and bookkeeping between its
+own reads) is measured in each rank before the steps (``clock_cost``, a warm loop: an underestimate) and taken
+off the hooks' times, per timed and per excluded call; the table shows how much was taken off.
 
 Timing is reported, never asserted.
 """
@@ -94,6 +97,33 @@ class _Clock:
                 self.last = (wall, cpu)
 
         return call
+
+
+def clock_cost(calls: int = 4000) -> dict[str, float]:
+    """What ``_Clock`` itself charges to the plan, in seconds, measured here and now: per timed plan call that does
+    nothing (``"plan"``), and per excluded call inside one (``"excluded"``: the extra of a plan call whose only work
+    is an excluded call that does nothing). Each is the clock's reads and bookkeeping that land between its own
+    reads, wall and CPU (``"plan_cpu"``, ``"excluded_cpu"``), medians of 5 repeats. A warm loop: the same reads
+    in a forward, between kernels, cost no less, so the correction it gives is an underestimate."""
+    def per_call(make: Any) -> tuple[float, float]:
+        walls, cpus = [], []
+        for _ in range(5):
+            clock = _Clock()
+            fn = make(clock)
+            clock.on = True
+            for _ in range(calls):
+                fn()
+            walls.append(clock.wall["plan"] / calls)
+            cpus.append(clock.cpu["plan"] / calls)
+        return statistics.median(walls), statistics.median(cpus)
+
+    def nothing() -> None:
+        return None
+
+    alone = per_call(lambda clock: clock.timed("plan", nothing))
+    nested = per_call(lambda clock: clock.timed("plan", clock.timed("excluded", nothing)))
+    return {"plan": alone[0], "plan_cpu": alone[1], "excluded": max(nested[0] - alone[0], 0.0),
+            "excluded_cpu": max(nested[1] - alone[1], 0.0)}
 
 
 def _hook_dicts(model: torch.nn.Module) -> list[dict[int, Any]]:
@@ -174,12 +204,12 @@ def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[
     def step(mode: str) -> None:
         wan_step(model, batch, mode)
 
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {"clock": clock_cost()}
     for mode in modes:
         for _ in range(2):  # warm-up: the first call's cross-rank checks, every_gradient's learning forward
             step(mode)
-        keys = ("step", "step_cpu", "plan", "plan_cpu", "excluded", "untimed", "untimed_cpu", "without_mode_cpu",
-                "calls", "mode_calls")
+        keys = ("step", "step_cpu", "plan", "plan_cpu", "plan_raw_cpu", "excluded", "untimed", "untimed_cpu",
+                "without_mode_cpu", "calls", "mode_calls")
         rows: dict[str, Any] = {k: [] for k in keys} | {"by": {}}
         kinds = ["timed", "untimed", "without_mode"]
         for r in range(rounds):
@@ -198,8 +228,14 @@ def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[
                     rows["without_mode_cpu"].append(cpu)
                 if kind != "timed":
                     continue
-                for key, value in (("step", elapsed), ("step_cpu", cpu), ("plan", clock.wall["plan"]),
-                                   ("plan_cpu", clock.cpu["plan"]), ("excluded", clock.wall["excluded"]),
+                # the clock's own reads, charged to the plan, taken off (clock_cost: at most what they cost)
+                own = out["clock"]
+                plan_wall = clock.wall["plan"] - clock.calls["plan"] * own["plan"] \
+                    - clock.calls["excluded"] * own["excluded"]
+                plan_cpu = clock.cpu["plan"] - clock.calls["plan"] * own["plan_cpu"] \
+                    - clock.calls["excluded"] * own["excluded_cpu"]
+                for key, value in (("step", elapsed), ("step_cpu", cpu), ("plan", plan_wall), ("plan_cpu", plan_cpu),
+                                   ("plan_raw_cpu", clock.cpu["plan"]), ("excluded", clock.wall["excluded"]),
                                    ("calls", clock.calls["plan"]), ("mode_calls", clock.calls["mode"])):
                     rows[key].append(value)
                 for label, t in clock.by.items():
@@ -247,6 +283,8 @@ def measure(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 20
         calls = ranks[0]["calls"][0]
         result[mode] = {"step_s": quantiles(slowest("step")), "untimed_s": quantiles(slowest("untimed")),
                         "plan_s": plan, "plan_cpu_s": quantiles(slowest("plan_cpu")),
+                        "plan_raw_cpu_s": quantiles(slowest("plan_raw_cpu")),
+                        "clock_us": {k: 1e6 * max(r["clock"][k] for r in per_rank) for k in per_rank[0]["clock"]},
                         "excluded_s": quantiles(slowest("excluded")),
                         "share": quantiles(largest_share("plan", "step")),
                         "cpu_share": quantiles(largest_share("plan_cpu", "step_cpu")),
@@ -270,6 +308,7 @@ def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
         out.append({"mode": mode, "n": result["n"], "size": result["size"], "tokens": result["tokens"],
                     "step_ms": 1e3 * med["step_s"], "untimed_ms": 1e3 * med["untimed_s"],
                     "plan_ms": 1e3 * med["plan_s"], "plan_cpu_ms": 1e3 * med["plan_cpu_s"],
+                    "plan_raw_cpu_ms": 1e3 * med["plan_raw_cpu_s"], "clock_us": r["clock_us"],
                     "excluded_ms": 1e3 * med["excluded_s"], "share": med["share"],
                     "share_p25": r["share"]["p25"], "share_p75": r["share"]["p75"], "cpu_share": med["cpu_share"],
                     "mode_cpu_ms": 1e3 * med["mode_cpu_s"], "mode_share": med["mode_share"],
@@ -280,16 +319,23 @@ def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
 
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = ["| Wan (layers, heads x dim, tokens) | N | step | step ms (untimed) | hooks ms, wall (CPU) | "
-             "hooks' share, wall [IQR] | hooks' share, CPU | SDPA-level mode ms CPU (ops) | runtime's share, CPU |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "clock's reads taken off, CPU ms | hooks' share, wall [IQR] | hooks' share, CPU | "
+             "SDPA-level mode ms CPU (ops) | runtime's share, CPU |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for result in results:
         layers, heads, head_dim = result["size"][:3]
         for r in rows(result):
             lines.append(f"| {layers}, {heads} x {head_dim}, {r['tokens']} | {r['n']} | {r['mode']} | "
                          f"{r['step_ms']:.1f} ({r['untimed_ms']:.1f}) | {r['plan_ms']:.2f} ({r['plan_cpu_ms']:.2f}) | "
+                         f"{r['plan_raw_cpu_ms'] - r['plan_cpu_ms']:.2f} | "
                          f"{100 * r['share']:.1f}% [{100 * r['share_p25']:.1f}-{100 * r['share_p75']:.1f}] | "
                          f"{100 * r['cpu_share']:.1f}% | {r['mode_cpu_ms']:.2f} ({r['mode_calls']}) | "
                          f"**{100 * r['total_share']:.1f}%** |")
+    clock = next((r["clock_us"] for result in results for r in rows(result)), None)
+    if clock is not None:
+        lines.append(f"\nThe clock's own reads, measured in each rank (``clock_cost``), taken off the hooks' times: "
+                     f"{clock['plan_cpu']:.2f} us CPU per timed call, {clock['excluded_cpu']:.2f} us per "
+                     f"collective or kernel inside one (the largest rank's).")
     return "\n".join(lines)
 
 
