@@ -14,8 +14,8 @@ A tag is a plain attribute of the tensor object. Two things drop attributes:
   checkpointing (torch's and Megatron's) recomputes on detached inputs, so a
   tag is also found through a live *alias* of the same memory: a tagged tensor is
   remembered, weakly, by the address of its first element (``data_ptr``), shape,
-  stride, dtype and device, and a tensor with exactly that view of the same memory is the same
-  shard.
+  stride, dtype and device, and a tensor with exactly that view of the same memory
+  is the same shard.
 - Module code makes new tensors: a block's output is not its input. The DSP plan
   (``dsp_plugin.plan.runtime``) carries the tag from a block's input to its output
   with a forward hook (:func:`propagate`).
@@ -141,8 +141,7 @@ def _alias_key(x: torch.Tensor) -> tuple[object, ...] | None:
     """The same view of the same memory, as a key: the first element's address (a real tensor's ``data_ptr``; a
     fake one's storage object and offset, ``storage_address``), shape, strides, dtype and device. None for an empty
     or meta tensor (data pointer 0: no identity to key on)."""
-    functional = torch._is_functional_tensor(x)
-    if (type(x) is torch.Tensor and not functional) or not (functional or is_fake(x)):  # fake: asked only then
+    if not torch._is_functional_tensor(x) and (type(x) is torch.Tensor or not is_fake(x)):  # fake: asked last
         address = x.data_ptr()  # one call for the storage's address and offset (what storage_address costs twice)
         return None if address == 0 else (address, x.shape, x.stride(), x.dtype, x.device)
     if x.is_meta or x.numel() == 0:
