@@ -68,3 +68,23 @@ def test_nested_path_and_star_signature() -> None:
     a.set("x", 9)
     args, kwargs = a.out()
     assert star(*args, **kwargs) == (9, (2, 3), 4)
+
+
+def test_known_places_are_taken_while_the_forward_is_the_same() -> None:
+    """``parallelize`` finds each hooked module's parameter places once (``known_places``: under torch.compile the
+    hooks are traced, and finding them there traces ``inspect.signature``); a forward replaced on the instance
+    afterwards is read by its own signature, not by the places found before."""
+    from dsp_plugin.plan.args import known_places
+
+    module = _Plain()
+    known = known_places(module)
+    assert known is not None and known[0] is _Plain.forward
+    assert (Args(module, (1, 2), {"temb": 3}, known).get("rope"), Args(module, (1, 2), {}, known).get("x")) == (2, 1)
+
+    def other(self: Any, rope: Any, x: Any = None) -> tuple[Any, ...]:  # the same names, other places
+        return x, rope
+
+    module.forward = other.__get__(module)
+    a = Args(module, (1, 2), {}, known)
+    assert (a.get("rope"), a.get("x")) == (1, 2)
+    assert known_places(_Star()) is not None and known_places(nn.Linear(1, 1)) is not None

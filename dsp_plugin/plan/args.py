@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import types
 import weakref
 from typing import Any
 
@@ -13,7 +14,7 @@ from torch import nn
 from dsp_plugin.plan.frames import OnShard
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["Args", "expand", "map_tensors", "tensors"]
+__all__ = ["Args", "expand", "known_places", "map_tensors", "tensors"]
 
 
 def expand(model: nn.Module, plan: dict[str, Any]) -> list[tuple[str, nn.Module, list[Any]]]:
@@ -72,6 +73,15 @@ def _places(forward: Any) -> dict[str, int | None] | None:
     return None if places is _NOT_PLAIN else places
 
 
+def known_places(module: nn.Module) -> tuple[Any, dict[str, int | None] | None] | None:
+    """(``module.forward``'s function, ``_places`` of it), found now, for :class:`Args` to take as it is while its
+    forward stays that function (``parallelize`` finds them for every hooked module): under torch.compile the hooks
+    are traced, and reading the cache above there traces ``inspect.signature`` (dynamo cannot read a
+    ``WeakKeyDictionary``), which leaves ~170 guards on ``inspect`` to evaluate at every compiled call."""
+    forward = module.forward
+    return (forward.__func__, _places(forward)) if isinstance(forward, types.MethodType) else None
+
+
 class Args:
     """A module call's arguments by name (``inspect.signature`` of its forward).
 
@@ -84,8 +94,10 @@ class Args:
     ``set`` ran (else the call's own arguments stand).
     """
 
-    def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 known: tuple[Any, dict[str, int | None] | None] | None = None) -> None:
         self.module, self.args, self.kwargs = module, args, kwargs
+        self._known = known  # known_places(module), found before the call (or None)
         self._sig: inspect.Signature | None = None
         self._bound: inspect.BoundArguments | None = None
         self._places: dict[str, int | None] | None | bool = False  # False: not looked up yet
@@ -95,7 +107,12 @@ class Args:
         """("args", index) or ("kwargs", name) where the call passed parameter ``name``; None where it did not
         pass it; bound (``self.bound``) when the signature is not a plain one."""
         if self._places is False:
-            self._places = _places(self.module.forward)
+            forward, known = self.module.forward, self._known
+            # not getattr(forward, "__func__", None): torch 2.13's dynamo answers another object than __func__
+            if known is not None and isinstance(forward, types.MethodType) and forward.__func__ is known[0]:
+                self._places = known[1]  # the same forward as when they were found
+            else:
+                self._places = _places(forward)
         places = self._places
         if places is None or self._bound is not None or name not in places:  # not plain, or **kwargs' own name
             return ("bound", name)

@@ -41,7 +41,7 @@ from dsp_plugin.comm import agree_inputs, chunk_sizes, group_rank, group_size
 from dsp_plugin.comm.group_resolution import _place, _resolve_group
 from dsp_plugin.plan import dispatch, ops, recompute
 from dsp_plugin.plan.args import Args as _Args
-from dsp_plugin.plan.args import expand
+from dsp_plugin.plan.args import expand, known_places
 from dsp_plugin.plan.args import map_tensors as _map_tensors
 from dsp_plugin.plan.args import tensors as _tensors
 from dsp_plugin.plan.attention import EmptyShardMode, enter_heads, exit_heads
@@ -82,6 +82,7 @@ class _Runtime:
         self.model, self.plan, self.group = model, plan, group
         self.comm_dtype = comm_dtype  # the switches' wire format (comm/payload.py); a Block/Heads may opt out
         self.entries = expand(model, plan)
+        self.places = self.find_places()  # path ("" the model) -> known_places of its module, for its hooks' _Args
         # Heads module path -> its attention processor, for modules seen attending through diffusers' dispatch
         # alone (``_learn``): their calls run without the SDPA level
         self.via_dispatch: dict[str, Any] = {}
@@ -90,6 +91,9 @@ class _Runtime:
         self.splits: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # split_plan's: (site, shape, ...) -> plan
         self.tag_placed: dict[str, tuple[Any, ...]] = {}  # placed's: block/gather site -> (tag, shape, placement)
         self.handles: list[Any] = []
+
+    def find_places(self) -> dict[str, Any]:
+        return {"": known_places(self.model)} | {path: known_places(module) for path, module, _ in self.entries}
 
     # -- frames ---------------------------------------------------------------
     def frame(self) -> Frame | None:
@@ -104,9 +108,14 @@ class _Runtime:
 
     def root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         recompute.forward_starts()  # kept collective outputs belong to one forward (plan/recompute.py)
-        if self.heads:
-            dispatch.install()  # a diffusers backend registered after parallelize is wrapped too
-        a = _Args(module, args, kwargs)
+        if self.heads and not torch.compiler.is_compiling():
+            # a diffusers backend registered after parallelize is wrapped too. Not while tracing: comparing the
+            # registry with what install left there puts a guard on every backend and constraint (~390 on the
+            # tiny Wan), evaluated at every compiled call. A backend registered between parallelize and a compiled
+            # call is refused there (exit_heads; so it was with install traced: dynamo applies the registry's
+            # update only after a whole graph) and wrapped by the next eager call
+            dispatch.install()
+        a = _Args(module, args, kwargs, self.places.get(""))
         io = current_io()
         group = _resolve_group(self.group, "parallelize")  # once per forward: the hooks read the frame's members
         members = (1, 0) if group is None else _place(group)  # (group_size, group_rank) of the resolved group
@@ -162,11 +171,12 @@ class _Runtime:
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickled (``torch.save`` of a whole parallelized model) without what the hooks keep across forwards."""
-        return {k: v for k, v in self.__dict__.items() if k not in ("splits", "tag_placed")}
+        return {k: v for k, v in self.__dict__.items() if k not in ("splits", "tag_placed", "places")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.splits, self.tag_placed = {}, {}
+        self.places = self.find_places()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Runtime:
         """The runtime of a deep copy of the model (an EMA copy): the copy's modules, the same plan and group.
@@ -181,13 +191,14 @@ class _Runtime:
         new.splits, new.tag_placed = {}, {}  # the copy's own
         new.model = copy.deepcopy(self.model, memo)
         new.entries = [(path, copy.deepcopy(module, memo), specs) for path, module, specs in self.entries]
+        new.places = new.find_places()
         new.handles = copy.deepcopy(self.handles, memo)
         return new
 
     # -- per-module hooks -----------------------------------------------------
     def pre(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...],
             kwargs: dict[str, Any]) -> Any:
-        a = _Args(module, args, kwargs)  # bound on first use: a Heads-only module's hook binds nothing
+        a = _Args(module, args, kwargs, self.places.get(path))  # bound on first use: a Heads-only hook binds nothing
         originals = {spec.arg: a.get(spec.arg) for spec in specs if isinstance(spec, OnShard)}
         block: dict[str, Any] | None = None
         for spec in specs:
@@ -278,7 +289,7 @@ class _Runtime:
     # a module whose only spec is ``Block`` (every block of a model): the same, without the loops
     def block_only_pre(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
-        a = _Args(module, args, kwargs)
+        a = _Args(module, args, kwargs, self.places.get(path))
         block = self.block_pre(path, a, specs[0])
         if block["empty"]:
             block["mode"] = EmptyShardMode()  # as in ``pre``

@@ -1,0 +1,43 @@
+"""What a compiled plan model checks at every call: dynamo's guards on what its hooks read while traced.
+
+``torch.compile`` of a parallelized model traces the plan's hooks, and every Python object they read becomes a
+guard that torch evaluates before each compiled call (about 100 ns each on this machine). Two reads cost
+hundreds of guards and are left out while tracing (``plan/runtime.py``, ``plan/args.py``):
+
+- ``dispatch.install``, which compares diffusers' attention registry with what it left there: a guard on every
+  backend and every constraint check (~390 on the tiny Wan);
+- finding the hooked modules' parameter places (``Args``): dynamo cannot read the ``WeakKeyDictionary`` cache and
+  traced ``inspect.signature`` at every hook (~210 guards); ``parallelize`` finds them once (``known_places``).
+
+Counted, not timed: one process, rank 0 of a fake world of 2 (``dsp_plugin.dryrun.world``), ``torch._dynamo.explain``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def test_compiled_wan_guards_read_neither_the_attention_registry_nor_inspect() -> None:
+    import torch._dynamo as dynamo
+
+    import dsp_plugin
+    from dsp_plugin.bench.wan import _setup
+    from dsp_plugin.dryrun.world import fake_world
+
+    dynamo.reset()
+    with fake_world(2, dsp=2), torch.no_grad():
+        reference, batch = _setup((2, 2, 8, 2, 4))
+        model = dsp_plugin.parallelize(copy.deepcopy(reference))
+        explained = dynamo.explain(model)(*batch, return_dict=False)
+    texts = [" ".join(g.code_list or [g.name]) for g in explained.out_guards]
+    print(f"compiled tiny Wan: {explained.graph_count} graph(s), {explained.graph_break_count} break(s), "
+          f"{len(texts)} guards")
+    assert explained.graph_break_count == 0
+    registry = [t for t in texts if "plan_dot_dispatch" in t]
+    print(f"  on plan.dispatch's state: {len(registry)}: {registry}")
+    # what the wrapper reads at a call (whether diffusers' checks are on), not the backends and their checks
+    assert not [t for t in registry if "_installed" in t or "_backends" in t or "_constraints" in t], registry
+    assert len(registry) < 10, registry
+    assert not [t for t in texts if "__import_inspect" in t or ".inspect." in t], texts
