@@ -28,8 +28,12 @@ where no op passed through it: a module seen attending through diffusers' dispat
 ``plan.runtime``). The timed steps run beside untimed ones in alternating order,
 so the clock's own cost shows as the difference of the two step times (``step_ms`` against ``untimed_ms``).
 The part of it that lands inside the runtime's time (each timed call's clock reads and bookkeeping between its
-own reads) is measured in each rank before the steps (``clock_cost``, a warm loop: an underestimate) and taken
-off the hooks' times, per timed and per excluded call; the table shows how much was taken off.
+own reads) is taken off the hooks' times, per timed and per excluded call, at what it costs where it runs:
+a *probe step* (a fourth kind, in the same rotation) runs the plan untimed with a timed call that does nothing
+at the start of each place a timed step times, and after each excluded call (``_Probes``). Right after the
+model's kernels that code runs cold, at ~4 us CPU per call on this machine where a warm loop (``clock_cost``,
+measured too) gives ~1 us; the median of the probe steps is taken off (never less than the warm loop's). The
+table shows how much was taken off.
 
 Timing is reported, never asserted.
 """
@@ -59,6 +63,7 @@ class _Clock:
     def __init__(self) -> None:
         self.on = False
         self.without_mode = False
+        self.probe: tuple[Any, Any] | None = None  # in a probe step: timed no-ops at the timed calls' places
         self.stack: list[tuple[str, str]] = []
         self.last = (0.0, 0.0)
         self.reset()
@@ -81,7 +86,14 @@ class _Clock:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if not self.on:
-                return fn(*args, **kwargs)
+                if self.probe is None:
+                    return fn(*args, **kwargs)
+                if category == "plan":  # a timed call that does nothing, where this one would start
+                    self.probe[0]()
+                    return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+                self.probe[1]()  # and where this excluded one returns to its caller's timed code
+                return out
             wall, cpu = time.perf_counter(), time.thread_time()
             if self.stack:
                 self._charge(wall, cpu)
@@ -124,6 +136,34 @@ def clock_cost(calls: int = 4000) -> dict[str, float]:
     nested = per_call(lambda clock: clock.timed("plan", clock.timed("excluded", nothing)))
     return {"plan": alone[0], "plan_cpu": alone[1], "excluded": max(nested[0] - alone[0], 0.0),
             "excluded_cpu": max(nested[1] - alone[1], 0.0)}
+
+
+def _nothing() -> None:
+    return None
+
+
+class _Probes:
+    """Timed calls that do nothing, run in a *probe step* at the places of a timed step's timed calls (where each plan
+    call starts, where each excluded call returns to timed code), while the step's own clock is off: what the
+    clock's reads charge to the plan *there*, right after the model's kernels, where the same code runs cold and
+    costs several times ``clock_cost``'s warm loop."""
+
+    def __init__(self) -> None:
+        self.before, self.after = _Clock(), _Clock()
+        self.calls = (self.before.timed("plan", _nothing), self.after.timed("plan", _nothing))
+
+    def start(self) -> None:
+        for clock in (self.before, self.after):
+            clock.reset()
+            clock.on = True
+
+    def per_call(self) -> dict[str, float]:
+        """Seconds per timed call (``plan``) and per excluded one (``excluded``), wall and CPU, in the step probed."""
+        out = {}
+        for key, clock in (("plan", self.before), ("excluded", self.after)):
+            n = max(clock.calls["plan"], 1)
+            out[key], out[key + "_cpu"] = clock.wall["plan"] / n, clock.cpu["plan"] / n
+        return out
 
 
 def _hook_dicts(model: torch.nn.Module) -> list[dict[int, Any]]:
@@ -205,41 +245,51 @@ def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[
         wan_step(model, batch, mode)
 
     out: dict[str, Any] = {"clock": clock_cost()}
+    probes = _Probes()
     for mode in modes:
         for _ in range(2):  # warm-up: the first call's cross-rank checks, every_gradient's learning forward
             step(mode)
-        keys = ("step", "step_cpu", "plan", "plan_cpu", "plan_raw_cpu", "excluded", "untimed", "untimed_cpu",
-                "without_mode_cpu", "calls", "mode_calls")
+        keys = ("step", "step_cpu", "plan_raw", "plan_raw_cpu", "excluded", "untimed", "untimed_cpu",
+                "without_mode_cpu", "calls", "excluded_calls", "mode_calls", "probed")
         rows: dict[str, Any] = {k: [] for k in keys} | {"by": {}}
-        kinds = ["timed", "untimed", "without_mode"]
+        kinds = ["timed", "untimed", "without_mode", "probe"]
         for r in range(rounds):
-            for kind in kinds[r % 3:] + kinds[:r % 3]:   # rotating order
+            for kind in kinds[r % 4:] + kinds[:r % 4]:   # rotating order
                 model.zero_grad(set_to_none=True)
                 clock.reset()
                 clock.on, clock.without_mode = kind == "timed", kind == "without_mode"
+                if kind == "probe":
+                    clock.probe = probes.calls
+                    probes.start()
                 start, start_cpu = time.perf_counter(), time.thread_time()
                 step(mode)
                 elapsed, cpu = time.perf_counter() - start, time.thread_time() - start_cpu
                 clock.on = clock.without_mode = False
+                clock.probe = None
                 if kind == "untimed":
                     rows["untimed"].append(elapsed)
                     rows["untimed_cpu"].append(cpu)
                 elif kind == "without_mode":
                     rows["without_mode_cpu"].append(cpu)
+                elif kind == "probe":
+                    rows["probed"].append(probes.per_call())
                 if kind != "timed":
                     continue
-                # the clock's own reads, charged to the plan, taken off (clock_cost: at most what they cost)
-                own = out["clock"]
-                plan_wall = clock.wall["plan"] - clock.calls["plan"] * own["plan"] \
-                    - clock.calls["excluded"] * own["excluded"]
-                plan_cpu = clock.cpu["plan"] - clock.calls["plan"] * own["plan_cpu"] \
-                    - clock.calls["excluded"] * own["excluded_cpu"]
-                for key, value in (("step", elapsed), ("step_cpu", cpu), ("plan", plan_wall), ("plan_cpu", plan_cpu),
+                for key, value in (("step", elapsed), ("step_cpu", cpu), ("plan_raw", clock.wall["plan"]),
                                    ("plan_raw_cpu", clock.cpu["plan"]), ("excluded", clock.wall["excluded"]),
-                                   ("calls", clock.calls["plan"]), ("mode_calls", clock.calls["mode"])):
+                                   ("calls", clock.calls["plan"]), ("excluded_calls", clock.calls["excluded"]),
+                                   ("mode_calls", clock.calls["mode"])):
                     rows[key].append(value)
                 for label, t in clock.by.items():
                     rows["by"].setdefault(label, []).append(t)
+        # the clock's own reads, charged to the plan, taken off: what they cost where they ran (the probe steps'
+        # median), never less than the warm loop's figure
+        own = {k: max(statistics.median(p[k] for p in rows["probed"]), out["clock"][k]) for k in out["clock"]}
+        rows["own"] = own
+        for suffix in ("", "_cpu"):
+            rows["plan" + suffix] = [raw - calls * own["plan" + suffix] - excluded * own["excluded" + suffix]
+                                     for raw, calls, excluded in zip(rows["plan_raw" + suffix], rows["calls"],
+                                                                     rows["excluded_calls"])]
         out[mode] = rows
     return out
 
@@ -284,7 +334,8 @@ def measure(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 20
         result[mode] = {"step_s": quantiles(slowest("step")), "untimed_s": quantiles(slowest("untimed")),
                         "plan_s": plan, "plan_cpu_s": quantiles(slowest("plan_cpu")),
                         "plan_raw_cpu_s": quantiles(slowest("plan_raw_cpu")),
-                        "clock_us": {k: 1e6 * max(r["clock"][k] for r in per_rank) for k in per_rank[0]["clock"]},
+                        "clock_us": {k: 1e6 * max(r["own"][k] for r in ranks) for k in ranks[0]["own"]},
+                        "clock_warm_us": {k: 1e6 * max(r["clock"][k] for r in per_rank) for k in per_rank[0]["clock"]},
                         "excluded_s": quantiles(slowest("excluded")),
                         "share": quantiles(largest_share("plan", "step")),
                         "cpu_share": quantiles(largest_share("plan_cpu", "step_cpu")),
@@ -309,6 +360,7 @@ def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
                     "step_ms": 1e3 * med["step_s"], "untimed_ms": 1e3 * med["untimed_s"],
                     "plan_ms": 1e3 * med["plan_s"], "plan_cpu_ms": 1e3 * med["plan_cpu_s"],
                     "plan_raw_cpu_ms": 1e3 * med["plan_raw_cpu_s"], "clock_us": r["clock_us"],
+                    "clock_warm_us": r["clock_warm_us"],
                     "excluded_ms": 1e3 * med["excluded_s"], "share": med["share"],
                     "share_p25": r["share"]["p25"], "share_p75": r["share"]["p75"], "cpu_share": med["cpu_share"],
                     "mode_cpu_ms": 1e3 * med["mode_cpu_s"], "mode_share": med["mode_share"],
@@ -331,11 +383,13 @@ def markdown(results: list[dict[str, Any]]) -> str:
                          f"{100 * r['share']:.1f}% [{100 * r['share_p25']:.1f}-{100 * r['share_p75']:.1f}] | "
                          f"{100 * r['cpu_share']:.1f}% | {r['mode_cpu_ms']:.2f} ({r['mode_calls']}) | "
                          f"**{100 * r['total_share']:.1f}%** |")
-    clock = next((r["clock_us"] for result in results for r in rows(result)), None)
-    if clock is not None:
-        lines.append(f"\nThe clock's own reads, measured in each rank (``clock_cost``), taken off the hooks' times: "
-                     f"{clock['plan_cpu']:.2f} us CPU per timed call, {clock['excluded_cpu']:.2f} us per "
-                     f"collective or kernel inside one (the largest rank's).")
+    for result in results:
+        for r in rows(result):
+            taken, warm = r["clock_us"], r["clock_warm_us"]
+            lines.append(f"\n{r['mode']}: the clock's own reads taken off the hooks' times, measured in each rank where "
+                         f"they ran (probe steps): {taken['plan_cpu']:.2f} us CPU per timed call, "
+                         f"{taken['excluded_cpu']:.2f} us per collective or kernel inside one (a warm loop, "
+                         f"``clock_cost``: {warm['plan_cpu']:.2f} and {warm['excluded_cpu']:.2f}; the largest rank's).")
     return "\n".join(lines)
 
 
