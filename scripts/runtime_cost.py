@@ -11,7 +11,9 @@ rank, collectives that move no data); one forward under ``no_grad`` (a denoising
   times, with the collectives and the kernel stubbed (they return the recorded outputs): median and minimum
   microseconds per forward. It runs warm (a hook in a real forward starts cold, after a kernel), so it
   is a lower bound of what the runtime costs in a forward, steady from run to run where the A/B against
-  the hand-written Wan (``python -m dsp_plugin.bench.overhead --against-hand``) is not.
+  the hand-written Wan (``python -m dsp_plugin.bench.overhead --against-hand``) is not. One exception: the
+  recorded arguments keep every tensor the forward tagged alive, so ``proj_out``'s lookup of its untagged
+  output by alias keys ~14 tags per replay (~37 us warm), where a real forward has 0-5 of them alive then.
 
 To compare two trees, run it with PYTHONPATH at each, alternating, in the same session (docs/benchmarks.md,
 "The plan runtime's share, fourth round").
@@ -35,7 +37,7 @@ from dsp_plugin.head_switch import exchange
 from dsp_plugin.plan import dispatch, ops
 
 # the work the runtime hands on, which the hand-written model does too: left out of the counts, stubbed in replay
-_COLLECTIVES = (("exchange.py", "_to_heads"), ("exchange.py", "from_heads"), ("ops.py", "gather"))
+_COLLECTIVES = (("exchange.py", "_to_heads"), ("exchange.py", "from_heads"), ("primitives.py", "gather"))
 
 
 def _hooked(model: Any, before: dict[int, set[int]], wrap: Any) -> None:
