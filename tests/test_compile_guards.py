@@ -1,8 +1,10 @@
 """What a compiled plan model checks at every call: dynamo's guards on what its hooks read while traced.
 
 ``torch.compile`` of a parallelized model traces the plan's hooks, and every Python object they read becomes a
-guard that torch evaluates before each compiled call (about 100 ns each on this machine). Two reads cost
-hundreds of guards and are left out while tracing (``plan/runtime.py``, ``plan/args.py``):
+guard that torch evaluates before each compiled call (most in C++; an identity check between two paths to one
+object is a Python lambda). On an H200 the guards were most of what the compiled plan Wan costs over the
+hand-written one (docs/benchmarks.md, sixth round). Two reads cost hundreds of guards and are left out while
+tracing (``plan/runtime.py``, ``plan/args.py``):
 
 - ``dispatch.install``, which compares diffusers' attention registry with what it left there: a guard on every
   backend and every constraint check (~390 on the tiny Wan);
