@@ -108,7 +108,8 @@ class _Runtime:
 
     def root_pre(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         recompute.forward_starts()  # kept collective outputs belong to one forward (plan/recompute.py)
-        if self.heads and not torch.compiler.is_compiling():
+        compiling = torch.compiler.is_compiling()  # asked once per forward
+        if self.heads and not compiling:
             # a diffusers backend registered after parallelize is wrapped too. Not while tracing: comparing the
             # registry with what install left there puts a guard on every backend and constraint (~390 on the
             # tiny Wan), evaluated at every compiled call. A backend registered between parallelize and a compiled
@@ -119,14 +120,14 @@ class _Runtime:
         io = current_io()
         group = _resolve_group(self.group, "parallelize")  # once per forward: the hooks read the frame's members
         members = (1, 0) if group is None else _place(group)  # (group_size, group_rank) of the resolved group
-        always = not torch.compiler.is_compiling() and checks.check_mode() == "always"  # compiled: no SDPA level
+        always = not compiling and checks.check_mode() == "always"  # compiled: no SDPA level
         if io is not None:
             open_frame(Frame(self, dict(io.axes), sharded_io=True, handling=sys.exc_info()[1],
                              members=members, check_always=always))
             return
         # replicated inputs (not a model inside another's); a compiled call is not checked: the check is a host
         # sync, and the same inputs' first eager call (or an eager run under DSP_CHECK=1) checks them
-        if not torch.compiler.is_compiling() and not any(isinstance(f, Frame) for f in frames()):
+        if not compiling and not any(isinstance(f, Frame) for f in frames()):
             self.check_inputs(module, a, group)
         grid = {}
         for axis, (name, dim) in self.grid.axes.items():
