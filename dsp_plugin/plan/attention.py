@@ -183,17 +183,16 @@ class HeadsCall:
         replicated tokens, no mask. The same collectives and kernel as the general path, without its views."""
         full, comm_dtype, group = self.switch_full[0], self.comm_dtype, self.group
         exact, out_dtype = self.exact_in, self.out_dtype
-
-        def switch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            return exchange._to_heads(q, k, v, seq_dim=seq, head_dim=head, group=group, global_len=full,
-                                      replicated=None, comm_dtype=comm_dtype, exact=exact)
-
-        def back(o: torch.Tensor) -> torch.Tensor:
-            return exchange.from_heads(o, seq_dim=seq, head_dim=head, group=group, global_len=full, heads=heads,
-                                       comm_dtype=out_dtype)
-
-        direct = recompute.idle()  # nothing kept or replayed (no checkpoint, or inference): the collectives as such
-        q, k, v = switch(q, k, v) if direct else recompute.replay((self.where, "to_heads", call), switch, q, k, v)
+        # nothing kept or replayed (no checkpoint, or inference): the collectives called as such, without a frame
+        # of their own (a frame's return after a collective or kernel is paid again: the caches are cold then)
+        direct = recompute.idle()
+        if direct:
+            q, k, v = exchange._to_heads(q, k, v, seq_dim=seq, head_dim=head, group=group, global_len=full,
+                                         replicated=None, comm_dtype=comm_dtype, exact=exact)
+        else:
+            q, k, v = recompute.replay((self.where, "to_heads", call), lambda q, k, v: exchange._to_heads(
+                q, k, v, seq_dim=seq, head_dim=head, group=group, global_len=full, replicated=None,
+                comm_dtype=comm_dtype, exact=exact), q, k, v)
         if mine_heads[1] == 0:  # as in attend
             out = v.clone()
         else:
@@ -202,7 +201,11 @@ class HeadsCall:
                 out = kernel(q, k, v, None)
             finally:
                 self.in_kernel = False
-        return back(out) if direct else recompute.replay((self.where, "from_heads", call), back, out)
+        if direct:
+            return exchange.from_heads(out, seq_dim=seq, head_dim=head, group=group, global_len=full, heads=heads,
+                                       comm_dtype=out_dtype)
+        return recompute.replay((self.where, "from_heads", call), lambda o: exchange.from_heads(
+            o, seq_dim=seq, head_dim=head, group=group, global_len=full, heads=heads, comm_dtype=out_dtype), out)
 
     def _io_mask(self, mask: torch.Tensor, count: int) -> torch.Tensor:
         """A key-padding mask the model built under ``sharded_io`` (from its ``R + L_local`` tokens, or for
