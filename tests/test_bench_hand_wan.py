@@ -52,7 +52,7 @@ def test_against_hand_runs_and_prints_its_row() -> None:
     print(table)
     assert result["n"] == 2 and result["size"] == SIZE and result["rounds"] == 2
     assert 0 < result["plan_min_ms"] <= result["plan_ms"] and 0 < result["hand_min_ms"] <= result["hand_ms"]
-    assert "| 2, 4 x 8, 64 | 2 |" in table
+    assert "| 2, 4 x 8, 64 | 2, 2 |" in table
     assert not torch.distributed.is_initialized()  # the fake world is torn down
     assert "forward CPU ms" in table
 
@@ -65,6 +65,33 @@ def test_against_hand_times_a_training_step_too() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda:0'; expected 'cpu' or a CUDA device"):
             hand_wan.measure_against_hand(2, SIZE, device="cuda:0")
+
+
+def test_the_paired_estimate_has_an_interval_around_it() -> None:
+    from dsp_plugin.bench.hand_wan import median_interval
+
+    assert median_interval([0.5] * 30) == (0.5, 0.5)
+    values = [float(v % 7) for v in range(41)]  # median 3
+    low, high = median_interval(values)
+    assert low <= 3.0 <= high and low < high
+    assert median_interval(values) == (low, high)  # seeded: a table is reproducible from its times
+
+
+def test_against_hand_on_gloo_ranks_and_against_itself() -> None:
+    """The A/B on the bench's own setting (2 gloo ranks, real collectives) and its A/A control (the plan's Wan
+    against a second copy of itself) run and report the paired estimate with its interval."""
+    from dsp_plugin.bench import hand_wan
+
+    result = hand_wan.measure_against_hand(2, SIZE, rounds=2, per_round=1, world="gloo")
+    table = hand_wan.markdown(result)
+    assert result["world"] == "gloo" and "| 2, 4 x 8, 64 | 2, 2 |" in table and "N (gloo)" in table
+    low, high = result["paired_interval"]
+    assert low <= result["paired_share"] <= high
+    control = hand_wan.markdown(hand_wan.measure_against_hand(2, SIZE, rounds=2, per_round=1, control=True))
+    assert "a second plan copy (A/A)" in control and "N (fake)" in control
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="world='nccl' on device='cpu'; expected 'fake', or 'gloo'"):
+        hand_wan.measure_against_hand(2, SIZE, world="nccl")
 
 
 def test_a_fake_world_learns_what_a_real_one_does() -> None:

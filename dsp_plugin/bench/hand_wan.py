@@ -1,6 +1,7 @@
 """The plan runtime's cost, A/B: the bench's Wan parallelized by its plan against the same Wan made parallel by hand.
 
     python -m dsp_plugin.bench.overhead --forward-only --against-hand [--size L,H,D,F,HW]
+    python -m dsp_plugin.bench.overhead --forward-only --against-hand --ab-world gloo --rounds 300 [--ab-control]
 
 The hand-written model is what a user would write without ``parallelize``: the
 paper's functions called where ``WAN_PLAN`` puts its hooks, and nothing else (no
@@ -18,20 +19,26 @@ paper's API: an independent check of ``overhead``'s clock, which times the
 runtime's pieces from inside. ``tests/test_bench_hand_wan.py`` shows the two models
 give the one-process output on 2 gloo ranks (equal computations).
 
-Timed in ONE process, as rank 0 of a world of N under torch's ``fake`` process group
-(``dsp_plugin.dryrun.world.fake_world``): the same Python path as a real rank, collectives that
-move no data and no peer sharing the cores, one forward under ``no_grad`` (a denoising step),
-CPU time of the thread. Rounds of a few forwards alternate the two models. The estimate is the
-difference of the minima over the rounds (noise only adds time); the medians' difference is
-printed beside it. On 2 gloo ranks sharing this machine's 2 cores the same A/B scattered from -1%
-to 9% between runs (docs/benchmarks.md), too wide to resolve a few percent. The share is of a
-forward without communication, so a real rank's share of its step is smaller by that much.
+Rounds of a few steps alternate the two models (which goes first alternates too). The estimate is the
+median of the rounds' *paired* differences (each round's plan step less the hand-written step run
+beside it), with a 95% bootstrap interval: a machine's drift from round to round (a forward's CPU time
+here moves by several ms) cancels in a pair where it does not in the difference of two minima or two
+medians, which are printed beside it. ``control=True`` (``--ab-control``) runs the plan's Wan against a
+second copy of itself, so the estimator's reading where nothing differs is measured, not assumed.
+
+Two worlds: rank 0 of a world of N under torch's ``fake`` process group in ONE process
+(``dsp_plugin.dryrun.world.fake_world``: the same Python path as a real rank, collectives that move
+no data, no peer sharing the cores; the default, and the one on a GPU), or N gloo ranks
+(``world="gloo"``, ``--ab-world gloo``: the bench's own setting, real collectives; a round's time is
+its slowest rank's). A forward runs under ``no_grad`` (a denoising step); ``backward=True`` times a
+training step. CPU time of the calling thread on the CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import random
 import statistics
 import time
 from collections.abc import Iterator
@@ -39,7 +46,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["hand_parallel", "markdown", "measure_against_hand"]
+__all__ = ["hand_parallel", "markdown", "measure_against_hand", "median_interval"]
 
 
 def hand_parallel(reference: Any, size: tuple[int, ...], group: Any = None) -> tuple[Any, Any]:
@@ -83,62 +90,117 @@ def hand_parallel(reference: Any, size: tuple[int, ...], group: Any = None) -> t
 
 
 def measure_against_hand(n: int = 2, size: tuple[int, ...] | None = None, *, rounds: int = 40,
-                         per_round: int = 5, device: str = "cpu", backward: bool = False) -> dict[str, Any]:
-    """CPU ms per forward of the plan's Wan and of the hand-written one, as rank 0 of a fake world of ``n``, in
-    this process (one CPU thread, as a bench rank; ``fake_world`` refuses a process with torch.distributed
-    initialised): the minimum and the median over alternating rounds of ``per_round`` forwards, the differences
-    of each, and the share of the plan's forward they are.
+                         per_round: int = 5, device: str = "cpu", backward: bool = False, world: str = "fake",
+                         control: bool = False) -> dict[str, Any]:
+    """ms per step of the plan's Wan and of the hand-written one over alternating rounds of ``per_round`` steps: the
+    minimum and the median of each, their differences, and the median of the rounds' *paired* differences (each
+    round's plan step less the hand's step beside it: slow drifts of the machine cancel) with a 95% bootstrap
+    interval; each as a share of the plan's median step.
 
-    ``device="cuda:0"``: the models and inputs there, and wall ms instead of CPU ms (a round ends when the device
-    is done), so the runtime's Python counts only where it is not hidden behind the kernels it launches.
-    ``backward=True``: a training step's forward and backward (of the output's mean square) instead."""
-    import dsp_plugin
-    from dsp_plugin.bench.wan import SIZE, _setup
-    from dsp_plugin.dryrun.world import fake_world
+    ``world="fake"``: rank 0 of a fake world of ``n`` in this process (one CPU thread, as a bench rank; ``fake_world``
+    refuses a process with torch.distributed initialised), CPU time of the thread. ``world="gloo"``: ``n`` gloo ranks
+    (CPU only), each alternating the two models in the same order; a round's time is its slowest rank's CPU time.
+    ``device="cuda:0"`` (fake world): the models and inputs there, and wall ms instead of CPU ms (a round ends when
+    the device is done), so the runtime's Python counts only where it is not hidden behind the kernels it launches.
+    ``backward=True``: a training step's forward and backward (of the output's mean square) instead.
+    ``control=True``: the plan's Wan against a second copy of itself (an A/A run): what the estimator reads where
+    nothing differs, its noise floor on this machine."""
+    from dsp_plugin.bench.wan import SIZE
 
     size = tuple(size or SIZE)
     where = torch.device(device)
     if where.type not in ("cpu", "cuda") or (where.type == "cuda" and not torch.cuda.is_available()):
         raise ValueError(f"measure_against_hand: device={device!r}; expected 'cpu' or a CUDA device on a machine "
                          f"with one (CUDA available: {torch.cuda.is_available()})")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with fake_world(n, dsp=n):
-            reference, batch = _setup(size)
-            reference, batch = reference.to(where), tuple(t.to(where) for t in batch)
-            plan = dsp_plugin.parallelize(copy.deepcopy(reference))
-            hand, running = hand_parallel(reference, size)
-            clock = time.thread_time if where.type == "cpu" else time.perf_counter
+    if world not in ("fake", "gloo") or (world == "gloo" and where.type != "cpu"):
+        raise ValueError(f"measure_against_hand: world={world!r} on device={device!r}; expected 'fake', or 'gloo' "
+                         f"on the CPU")
+    if world == "gloo":
+        from dsp_plugin.spawn import spawn
 
-            def forward(model: Any) -> float:
-                context = running() if model is hand else contextlib.nullcontext()
-                if where.type == "cuda":
-                    torch.cuda.synchronize(where)
-                start = clock()
-                with torch.set_grad_enabled(backward), context:
-                    for _ in range(per_round):
-                        out = model(*batch, return_dict=False)[0]
-                        if backward:
-                            out.float().square().mean().backward()
-                if where.type == "cuda":
-                    torch.cuda.synchronize(where)
-                return (clock() - start) / per_round
+        per_rank = spawn(_rank_rounds, n, size, rounds, per_round, backward, control, timeout=3600,
+                         collective_timeout_s=300)
+        plan_s = [max(times) for times in zip(*[r[0] for r in per_rank])]
+        hand_s = [max(times) for times in zip(*[r[1] for r in per_rank])]
+    else:
+        from dsp_plugin.dryrun.world import fake_world
 
-            for _ in range(2):  # warm-up: the plan's first calls learn how each module attends
-                forward(plan), forward(hand)
-            plan_s: list[float] = []
-            hand_s: list[float] = []
-            for r in range(rounds):  # alternating which goes first
-                for model in (plan, hand) if r % 2 == 0 else (hand, plan):
-                    (plan_s if model is plan else hand_s).append(forward(model))
-    finally:
-        torch.set_num_threads(threads)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            with fake_world(n, dsp=n):
+                plan_s, hand_s = _rounds(None, size, rounds, per_round, where, backward, control)
+        finally:
+            torch.set_num_threads(threads)
     p, h, p_min, h_min = statistics.median(plan_s), statistics.median(hand_s), min(plan_s), min(hand_s)
-    return {"n": n, "size": size, "rounds": rounds, "device": device, "backward": backward,
-            "plan_ms": 1e3 * p, "hand_ms": 1e3 * h,
+    paired = [a - b for a, b in zip(plan_s, hand_s)]
+    low, high = median_interval(paired)
+    return {"n": n, "size": size, "rounds": rounds, "device": device, "backward": backward, "world": world,
+            "control": control, "plan_ms": 1e3 * p, "hand_ms": 1e3 * h,
             "diff_ms": 1e3 * (p - h), "share": (p - h) / p, "plan_min_ms": 1e3 * p_min, "hand_min_ms": 1e3 * h_min,
-            "diff_min_ms": 1e3 * (p_min - h_min), "share_min": (p_min - h_min) / p_min}
+            "diff_min_ms": 1e3 * (p_min - h_min), "share_min": (p_min - h_min) / p_min,
+            "paired_ms": 1e3 * statistics.median(paired), "paired_share": statistics.median(paired) / p,
+            "paired_interval": (low / p, high / p)}
+
+
+def median_interval(values: list[float], *, resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values`` (percentiles of the resampled medians; seeded, so a
+    run's table is reproducible from its times)."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.025 * resamples)], medians[int(0.975 * resamples) - 1]
+
+
+def _rank_rounds(rank: int, n: int, size: tuple[int, ...], rounds: int, per_round: int, backward: bool,
+                 control: bool) -> tuple[list[float], list[float]]:
+    """One gloo rank of ``measure_against_hand(world="gloo")``: the installed topology's group, one CPU thread."""
+    from dsp_plugin.log import quiet_third_party
+    from dsp_plugin.topology import Topology, set_topology
+
+    quiet_third_party()
+    torch.set_num_threads(1)
+    set_topology(Topology.world())
+    return _rounds(torch.distributed.group.WORLD, size, rounds, per_round, torch.device("cpu"), backward, control)
+
+
+def _rounds(group: Any, size: tuple[int, ...], rounds: int, per_round: int, where: torch.device, backward: bool,
+            control: bool) -> tuple[list[float], list[float]]:
+    """Seconds per step of the plan's Wan and of the other (hand-written, or with ``control`` a second plan copy),
+    round by round, the order alternating."""
+    import dsp_plugin
+    from dsp_plugin.bench.wan import _setup
+
+    reference, batch = _setup(size)
+    reference, batch = reference.to(where), tuple(t.to(where) for t in batch)
+    plan = dsp_plugin.parallelize(copy.deepcopy(reference), group=group)
+    if control:
+        other, running = dsp_plugin.parallelize(copy.deepcopy(reference), group=group), contextlib.nullcontext
+    else:
+        other, running = hand_parallel(reference, size, group=group)
+    clock = time.thread_time if where.type == "cpu" else time.perf_counter
+
+    def step(model: Any) -> float:
+        context = running() if model is other else contextlib.nullcontext()
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+        start = clock()
+        with torch.set_grad_enabled(backward), context:
+            for _ in range(per_round):
+                out = model(*batch, return_dict=False)[0]
+                if backward:
+                    out.float().square().mean().backward()
+        if where.type == "cuda":
+            torch.cuda.synchronize(where)
+        return (clock() - start) / per_round
+
+    for _ in range(2):  # warm-up: the plan's first calls learn how each module attends
+        step(plan), step(other)
+    plan_s: list[float] = []
+    other_s: list[float] = []
+    for r in range(rounds):  # alternating which goes first
+        for model in (plan, other) if r % 2 == 0 else (other, plan):
+            (plan_s if model is plan else other_s).append(step(model))
+    return plan_s, other_s
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -147,10 +209,15 @@ def markdown(result: dict[str, Any]) -> str:
     r = result
     step = "forward + backward" if r.get("backward") else "forward"
     clock = "CPU" if r.get("device", "cpu") == "cpu" else f"wall ({r['device']})"
+    other = "a second plan copy (A/A)" if r.get("control") else "by hand"
+    world = "gloo" if r.get("world") == "gloo" else "fake"
+    low, high = r["paired_interval"]
     return "\n".join([
-        f"| Wan (layers, heads x dim, tokens) | N (fake) | {step} {clock} ms, plan: min (median) "
-        "| by hand: min (median) | plan - hand: minima (medians) | **the runtime's share**: minima (medians) |",
-        "| --- | --- | --- | --- | --- | --- |",
-        f"| {layers}, {heads} x {head_dim}, {tokens} | {r['n']} | {r['plan_min_ms']:.2f} ({r['plan_ms']:.2f}) | "
-        f"{r['hand_min_ms']:.2f} ({r['hand_ms']:.2f}) | {r['diff_min_ms']:.3f} ({r['diff_ms']:.3f}) | "
-        f"**{100 * r['share_min']:.1f}%** ({100 * r['share']:.1f}%) |"])
+        f"| Wan (layers, heads x dim, tokens) | N ({world}), rounds | {step} {clock} ms, plan: min (median) "
+        f"| {other}: min (median) | plan - other: minima (medians) | paired, ms: the rounds' differences' median "
+        "| **the runtime's share**: paired [95% interval] (minima, medians) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+        f"| {layers}, {heads} x {head_dim}, {tokens} | {r['n']}, {r['rounds']} | {r['plan_min_ms']:.2f} "
+        f"({r['plan_ms']:.2f}) | {r['hand_min_ms']:.2f} ({r['hand_ms']:.2f}) | {r['diff_min_ms']:.3f} "
+        f"({r['diff_ms']:.3f}) | {r['paired_ms']:.3f} | **{100 * r['paired_share']:.1f}%** [{100 * low:.1f}, "
+        f"{100 * high:.1f}] ({100 * r['share_min']:.1f}%, {100 * r['share']:.1f}%) |"])

@@ -4,6 +4,7 @@
     python -m dsp_plugin.bench.overhead --size 4,12,16,16,32 --forward-only --rounds 9   # a larger Wan
     python -m dsp_plugin.bench.overhead --against-hand    # also: A/B against the Wan made parallel by hand
     python -m dsp_plugin.bench.overhead --against-hand --device cuda:0   # the A/B on a GPU (wall time)
+    python -m dsp_plugin.bench.overhead --forward-only --against-hand --ab-world gloo --rounds 300 --ab-control
 
 One Wan (``dsp_plugin.bench.wan``'s model and inputs) parallelized by its built-in plan on N gloo
 ranks (CPU, fp32), timed per step (one forward under ``no_grad``, a denoising step, and one forward +
@@ -410,6 +411,12 @@ def main(argv: list[str] | None = None) -> int:
                              "(dsp_plugin.bench.hand_wan)")
     parser.add_argument("--device", default="cpu",
                         help="with --against-hand: where the A/B runs (default cpu: CPU time; cuda:0: wall time)")
+    parser.add_argument("--ab-world", default="fake", choices=("fake", "gloo"),
+                        help="with --against-hand: rank 0 of a fake world in this process (default), or --nproc gloo "
+                             "ranks")
+    parser.add_argument("--ab-control", action="store_true",
+                        help="with --against-hand: also the plan's Wan against a second copy of itself (A/A), the "
+                             "A/B estimator's noise floor")
     args = parser.parse_args(argv)
     sizes = [QUICK] if args.quick else [SIZE, QUICK]
     if args.size is not None:
@@ -420,12 +427,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.against_hand:
         from dsp_plugin.bench import hand_wan
 
-        print(f"\nA/B, the plan's Wan against the Wan made parallel by hand (rank 0 of a fake world on {args.device}, "
-              "ms per step over alternating rounds):")
+        world = (f"{args.nproc} gloo ranks" if args.ab_world == "gloo" else
+                 f"rank 0 of a fake world of {args.nproc} on {args.device}")
+        print(f"\nA/B, the plan's Wan against the Wan made parallel by hand ({world}, ms per step over alternating "
+              "rounds):")
         for size in sizes:
             for backward in (False,) if args.forward_only else (False, True):
-                print(hand_wan.markdown(hand_wan.measure_against_hand(
-                    args.nproc, size, rounds=max(args.rounds, 40), device=args.device, backward=backward)))
+                for control in (False, True) if args.ab_control else (False,):
+                    print(hand_wan.markdown(hand_wan.measure_against_hand(
+                        args.nproc, size, rounds=max(args.rounds, 40), device=args.device, backward=backward,
+                        world=args.ab_world, control=control)))
     if args.where:
         for result in results:
             for mode in modes:
