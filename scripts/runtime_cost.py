@@ -35,17 +35,23 @@ from dsp_plugin.bench.wan import SIZE, _setup
 from dsp_plugin.dryrun.world import fake_world
 from dsp_plugin.head_switch import exchange
 from dsp_plugin.plan import dispatch, ops
+from dsp_plugin.plan.wrap import wrappers
 
 # the work the runtime hands on, which the hand-written model does too: left out of the counts, stubbed in replay
 _COLLECTIVES = (("exchange.py", "_to_heads"), ("exchange.py", "from_heads"), ("primitives.py", "gather"))
 
 
 def _hooked(model: Any, before: dict[int, set[int]], wrap: Any) -> None:
-    """Wrap every hook ``parallelize`` registered (those the model has now and had not before)."""
+    """Wrap every hook ``parallelize`` registered (those the model has now and had not before, and those around
+    its modules' forwards: ``plan/wrap.py``)."""
     for m in model.modules():
         for hooks in (m._forward_pre_hooks, m._forward_hooks):
             for key in set(hooks) - before.get(id(hooks), set()):
                 hooks[key] = wrap(hooks[key])
+    for wrapper in wrappers(model):
+        for side in ("pre", "post"):
+            if getattr(wrapper, side) is not None:
+                setattr(wrapper, side, wrap(getattr(wrapper, side)))
 
 
 def measure(size: tuple[int, ...], rounds: int) -> dict[str, float]:

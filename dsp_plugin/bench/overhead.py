@@ -227,6 +227,7 @@ def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[
     quiet_third_party()
     import dsp_plugin
     from dsp_plugin.bench.wan import _setup
+    from dsp_plugin.plan.wrap import wrappers
     from dsp_plugin.topology import Topology, set_topology
 
     set_topology(Topology.world())
@@ -236,11 +237,16 @@ def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[
     model = copy.deepcopy(reference)
     before = {id(d): set(d) for d in _hook_dicts(model)}
     dsp_plugin.parallelize(model)
-    for d in _hook_dicts(model):  # the hooks parallelize registered
+    for d in _hook_dicts(model):  # the hooks parallelize registered with torch (the model's own)
         for key in set(d) - before.get(id(d), set()):
             hook = d[key]
             label = f"plan: {hook.kind} hook of {hook.path!r}" if hasattr(hook, "path") else None
             d[key] = clock.timed("plan", hook, label)
+    for wrapper in wrappers(model):  # and around its modules' forwards (plan/wrap.py)
+        for side in ("pre", "post"):
+            hook = getattr(wrapper, side)
+            if hook is not None:
+                setattr(wrapper, side, clock.timed("plan", hook, f"plan: {hook.kind} hook of {hook.path!r}"))
 
     def step(mode: str) -> None:
         wan_step(model, batch, mode)

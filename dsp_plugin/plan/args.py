@@ -13,6 +13,7 @@ from torch import nn
 
 from dsp_plugin.plan.frames import OnShard
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
+from dsp_plugin.plan.wrap import runs
 
 __all__ = ["Args", "expand", "known_places", "map_tensors", "tensors"]
 
@@ -78,7 +79,7 @@ def known_places(module: nn.Module) -> tuple[Any, dict[str, int | None] | None] 
     forward stays that function (``parallelize`` finds them for every hooked module): under torch.compile the hooks
     are traced, and reading the cache above there traces ``inspect.signature`` (dynamo cannot read a
     ``WeakKeyDictionary``), which leaves ~170 guards on ``inspect`` to evaluate at every compiled call."""
-    forward = module.forward
+    forward = runs(module)
     return (forward.__func__, _places(forward)) if isinstance(forward, types.MethodType) else None
 
 
@@ -107,7 +108,7 @@ class Args:
         """("args", index) or ("kwargs", name) where the call passed parameter ``name``; None where it did not
         pass it; bound (``self.bound``) when the signature is not a plain one."""
         if self._places is False:
-            forward, known = self.module.forward, self._known
+            forward, known = runs(self.module), self._known  # inside the plan's wrapper (plan/wrap.py)
             # not getattr(forward, "__func__", None): torch 2.13's dynamo answers another object than __func__
             if known is not None and isinstance(forward, types.MethodType) and forward.__func__ is known[0]:
                 self._places = known[1]  # the same forward as when they were found
@@ -124,7 +125,7 @@ class Args:
     @property
     def sig(self) -> inspect.Signature:
         if self._sig is None:
-            self._sig = _signature(self.module.forward)
+            self._sig = _signature(runs(self.module))
         return self._sig
 
     @property

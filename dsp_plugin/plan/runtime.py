@@ -62,6 +62,7 @@ from dsp_plugin.plan.placement import holds_all as _holds_all
 from dsp_plugin.plan.placement import is_full as _is_full
 from dsp_plugin.plan.placement import split_rows as _split_rows
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
+from dsp_plugin.plan.wrap import still_wrapped, wrap
 
 __all__ = ["INPUT_HINT", "apply_plan", "current_block", "expand", "remove_plan", "sharded_io"]
 
@@ -91,6 +92,7 @@ class _Runtime:
         self.splits: dict[tuple[Any, ...], tuple[Any, Any]] = {}  # split_plan's: (site, shape, ...) -> plan
         self.tag_placed: dict[str, tuple[Any, ...]] = {}  # placed's: block/gather site -> (tag, shape, placement)
         self.handles: list[Any] = []
+        self.forwards: list[tuple[str, nn.Module, Any]] = []  # (path, module, its plan.wrap.Forward)
 
     def find_places(self) -> dict[str, Any]:
         return {"": known_places(self.model)} | {path: known_places(module) for path, module, _ in self.entries}
@@ -116,6 +118,10 @@ class _Runtime:
             # call is refused there (exit_heads; so it was with install traced: dynamo applies the registry's
             # update only after a whole graph) and wrapped by the next eager call
             dispatch.install()
+        if not compiling:  # a module forward replaced since parallelize is wrapped again (plan/wrap.py)
+            for path, hooked, wrapper in self.forwards:
+                if hooked.__dict__.get("forward") is not wrapper:
+                    still_wrapped(hooked, wrapper, path)
         a = _Args(module, args, kwargs, self.places.get(""))
         io = current_io()
         group = _resolve_group(self.group, "parallelize")  # once per forward: the hooks read the frame's members
@@ -194,6 +200,7 @@ class _Runtime:
         new.entries = [(path, copy.deepcopy(module, memo), specs) for path, module, specs in self.entries]
         new.places = new.find_places()
         new.handles = copy.deepcopy(self.handles, memo)
+        new.forwards = copy.deepcopy(self.forwards, memo)
         return new
 
     # -- per-module hooks -----------------------------------------------------
@@ -552,12 +559,13 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None, *, com
         specs = [s for s in specs if not isinstance(s, Grid)]
         if not specs:
             continue
-        # only the hooks that act: a module call with a hook costs torch's hook dispatch and our call
-        if any(_acts_before(s) for s in specs):
-            rt.handles.append(module.register_forward_pre_hook(_Hook(rt, "pre", path, specs), with_kwargs=True))
-        if any(_acts_after(s) for s in specs):
-            rt.handles.append(module.register_forward_hook(_Hook(rt, "post", path, specs), with_kwargs=True,
-                                                           always_call=True))
+        # only the hooks that act, around the module's forward (plan/wrap.py: not torch's hooks, whose dispatch
+        # costs every hooked module call more than the hooks themselves)
+        pre = _Hook(rt, "pre", path, specs) if any(_acts_before(s) for s in specs) else None
+        post = _Hook(rt, "post", path, specs) if any(_acts_after(s) for s in specs) else None
+        handle = wrap(module, pre, post)
+        rt.handles.append(handle)
+        rt.forwards.append((path, module, handle.wrapper))
     # the model's own post-hook last: it closes the frame after every module hook ran
     rt.handles.append(model.register_forward_hook(rt.root_post, with_kwargs=True, always_call=True))
     # a parameter some ranks use and others not gets a (zero) gradient on every rank (DDP, ZeRO)
