@@ -11,9 +11,10 @@ ranks (CPU, fp32), timed per step (one forward under ``no_grad``, a denoising st
 backward, a training step). In the timed steps every piece of the plan runtime is timed by a clock of
 *exclusive* time (a nested piece's time is its own, never its caller's too):
 
-- the plan's hooks: every forward pre-hook and hook ``parallelize`` registered (the model's own, the
-  ``Split``/``Block``/``Heads``/``Gather`` hooks of its modules, ``every_gradient``'s), found as the hooks
-  the model has after ``parallelize`` and not before;
+- the plan's hooks: every forward pre-hook and hook ``parallelize`` registered with torch (the model's own,
+  ``every_gradient``'s), found as the hooks the model has after ``parallelize`` and not before, and the
+  ``Split``/``Block``/``Heads``/``Gather`` hooks of its modules, around their forwards (``plan.wrap``; torch's
+  call path around a module is never timed here; ``--against-hand``'s A/B includes it);
 - the head switch's wrapper at diffusers' attention dispatch (``plan.dispatch``) and ``HeadsCall.attend``;
 - the backward of the plan's own autograd nodes (the partial split, the 1/N on the output, ``_Touch``);
 
