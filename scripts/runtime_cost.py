@@ -49,7 +49,7 @@ def _hooked(model: Any, before: dict[int, set[int]], wrap: Any) -> None:
             for key in set(hooks) - before.get(id(hooks), set()):
                 hooks[key] = wrap(hooks[key])
     for wrapper in wrappers(model):
-        for side in ("pre", "post"):
+        for side in ("pre", "post", "bypass"):
             if getattr(wrapper, side) is not None:
                 setattr(wrapper, side, wrap(getattr(wrapper, side)))
 

@@ -338,12 +338,16 @@ def current_call() -> HeadsCall | None:
 
 def enter_heads(where: str, group: Any, joint: str | None = None, *, comm_dtype: object = None,
                 exact: tuple[str, ...] = (), io: tuple[str | None, dict[int, Any]] | None = None,
-                sdpa: bool = True, members: tuple[int, int] | None = None) -> None:
+                sdpa: bool = True, members: tuple[int, int] | None = None,
+                block: tuple[dict[str, int], str, Any] | None = None) -> None:
     """Open a ``Heads`` module call. ``io``: under ``sharded_io``, the axis the model is fed shards of and the
     forward's mask cache (a key-padding mask built from the shard is laid out when the call is sharded there).
     ``sdpa=False``: without the SDPA level (the caller knows the module attends through diffusers' dispatch).
-    ``members``: the group's (size, this rank's place), when the caller resolved them for this forward."""
-    block = current_block()
+    ``members``: the group's (size, this rank's place), when the caller resolved them for this forward.
+    ``block``: the enclosing block's (grid, sharded axis, layout), where its hooks did not run (else the
+    innermost block open on this thread's stack, ``current_block``)."""
+    if block is None:
+        block = current_block()
     if block is None:
         raise ValueError(f"{where}: a Heads module must run inside a Block of the plan (its placement gives "
                          f"the global sequence length)")

@@ -93,6 +93,9 @@ class _Runtime:
         self.tag_placed: dict[str, tuple[Any, ...]] = {}  # placed's: block/gather site -> (tag, shape, placement)
         self.handles: list[Any] = []
         self.forwards: list[tuple[str, nn.Module, Any]] = []  # (path, module, its plan.wrap.Forward)
+        # Heads module path -> the layout of the pass-through block it runs in (``bypass``: that block's hooks
+        # may be left out of a call; the Heads call reads the placement from the frame then)
+        self.in_passing: dict[str, Any] = _passing_heads(self.entries)
 
     def find_places(self) -> dict[str, Any]:
         return {"": known_places(self.model)} | {path: known_places(module) for path, module, _ in self.entries}
@@ -195,6 +198,7 @@ class _Runtime:
         memo[id(self)] = new
         new.plan, new.group, new.grid, new.comm_dtype = self.plan, self.group, self.grid, self.comm_dtype
         new.via_dispatch, new.heads = {}, self.heads  # the copy's modules have their own processors: learnt again
+        new.in_passing = self.in_passing  # paths and the plan's layouts: the same in the copy
         new.splits, new.tag_placed = {}, {}  # the copy's own
         new.model = copy.deepcopy(self.model, memo)
         new.entries = [(path, copy.deepcopy(module, memo), specs) for path, module, specs in self.entries]
@@ -264,13 +268,23 @@ class _Runtime:
     def heads_enter(self, path: str, spec: Heads, module: nn.Module) -> None:
         frame = self.frame()
         io = (frame.io_shard, frame.masks) if frame is not None and frame.sharded_io else None
+        compiling = torch.compiler.is_compiling()
         # the SDPA level (never under torch.compile: enter_heads): unless the module is known to attend
         # through diffusers' dispatch alone (``_learn``); DSP_CHECK=1: at every call
-        sdpa = not torch.compiler.is_compiling() and (
+        sdpa = not compiling and (
             self.via_dispatch.get(path, _UNSEEN) is not getattr(module, "processor", None)
             or (frame.check_always if frame is not None else checks.check_mode() == "always"))
+        block = None
+        layout = self.in_passing.get(path)
+        if layout is not None and frame is not None and frame.passing is layout and not compiling:
+            # its block ran without hooks (``bypass``) if no block of this forward is open: the frame's placement
+            for f in reversed(frames()):
+                if f is frame:
+                    block = (frame.grid, frame.shard, layout)
+                if f is frame or isinstance(f, tuple):
+                    break
         enter_heads(path, self.group, spec.joint, comm_dtype=self.comm_dtype, exact=spec.exact, io=io,
-                    sdpa=sdpa, members=self.members(frame))
+                    sdpa=sdpa, members=self.members(frame), block=block)
 
     def heads_exit(self, path: str, module: nn.Module) -> RuntimeError | None:
         """Close the module's ``Heads`` call; its refusal (no attention intercepted) is returned, not raised."""
@@ -307,6 +321,17 @@ class _Runtime:
     def block_only_post(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...],
                         kwargs: dict[str, Any], output: Any) -> Any:
         return self.block_post(path, specs[0], output)
+
+    def bypass(self, path: str, specs: list[Any], module: nn.Module) -> bool:
+        """Whether a call of a pass-through block (``_passing_heads``) can run without its hooks: in a forward
+        without autograd (no recompute will look for its input's tag) whose frame holds the placement a block of
+        the same layout handed on (``Frame.passing``), which is its input's then; its hooks would only read that
+        placement, tag the input and the output with it, and give it to its ``Heads`` modules, which read it from
+        the frame instead (``heads_enter``). Not under DSP_CHECK=1."""
+        if torch.is_grad_enabled():
+            return False
+        frame = current_frame(self)
+        return frame is not None and frame.passing is specs[0].layout and not frame.check_always
 
     def _learn(self, path: str, module: nn.Module, call: Any) -> None:
         """After a ``Heads`` call: whether the module attends through diffusers' dispatch alone.
@@ -347,7 +372,7 @@ class _Runtime:
         if frame is not None and frame.sharded_io and not _is_full(x, spec, frame.grid):  # already a shard
             grid = ops.infer_grid(where, x, spec.layout, frame.grid, shard=spec.shard, group=self.group,
                                   members=members)
-            frame.grid, frame.shard, frame.io_shard = grid, spec.shard, spec.shard
+            frame.grid, frame.shard, frame.io_shard, frame.passing = grid, spec.shard, spec.shard, None
             return ops.tag(x, spec.layout, grid, spec.shard)
         # a recompute under activation checkpointing runs this hook again on the same input, in backward,
         # where no frame is open: the grid is kept on the replicated input itself
@@ -355,7 +380,7 @@ class _Runtime:
         grid, rows = self.split_plan(where, x, spec, known, members)
         carrier.note(x, _GRID_ATTR, grid)
         if frame is not None:
-            frame.grid, frame.shard = grid, spec.shard
+            frame.grid, frame.shard, frame.passing = grid, spec.shard, None
         if rows is not None:
             return ops.cut(x, rows)
         return ops.plan_split(where, x, spec.layout, grid, spec.shard, self.group, members=members)
@@ -397,9 +422,10 @@ class _Runtime:
                 x = ops.plan_switch(where, x, spec.layout, grid, shard, frame.io_shard, self.group,
                                     comm_dtype=self.comm_dtype, members=self.members(frame))
                 frame.shard = shard = frame.io_shard
+                frame.passing = None
             return ops.tag(x, spec.layout, grid, shard)
         if frame is not None:
-            frame.shard = None
+            frame.shard = frame.passing = None
         return ops.plan_gather(where, x, spec.layout, grid, shard, self.group, members=self.members(frame))
 
     def block_pre(self, path: str, a: _Args, spec: Block) -> dict[str, Any]:
@@ -519,6 +545,7 @@ class _Runtime:
             first = ops.tag(first, spec.layout, grid, shard)
         if frame is not None:
             frame.grid, frame.shard = grid, shard
+            frame.passing = spec.layout if not state["empty"] and not torch.compiler.is_compiling() else None
         return (first, *output[1:]) if isinstance(output, tuple) else first
 
 
@@ -532,7 +559,7 @@ class _Hook:
 
     def __init__(self, runtime: _Runtime, kind: str, path: str, specs: list[Any]) -> None:
         self.runtime, self.kind, self.path, self.specs = runtime, kind, path, specs
-        only = specs[0] if len(specs) == 1 else None  # one spec: its own hook, without the general loops
+        only = specs[0] if len(specs) == 1 and kind != "bypass" else None  # one spec: its own hook, no loops
         prefix = "heads_" if isinstance(only, Heads) else "block_only_" if isinstance(only, Block) else ""
         self.fn = getattr(runtime, prefix + kind)
 
@@ -563,7 +590,7 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None, *, com
         # costs every hooked module call more than the hooks themselves)
         pre = _Hook(rt, "pre", path, specs) if any(_acts_before(s) for s in specs) else None
         post = _Hook(rt, "post", path, specs) if any(_acts_after(s) for s in specs) else None
-        handle = wrap(module, pre, post)
+        handle = wrap(module, pre, post, _Hook(rt, "bypass", path, specs) if _passes_through(specs) else None)
         rt.handles.append(handle)
         rt.forwards.append((path, module, handle.wrapper))
     # the model's own post-hook last: it closes the frame after every module hook ran
@@ -572,6 +599,30 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None, *, com
     rt.handles.extend(every_gradient.install(model, group=functools.partial(_gradient_group, group)))
     model._dsp_plan_runtime = rt
     return model
+
+
+def _passes_through(specs: list[Any]) -> bool:
+    """A module planned as a ``Block`` alone that neither switches nor splits anything with its activation: its
+    hooks hand the placement on (``_Runtime.bypass``)."""
+    return len(specs) == 1 and isinstance(specs[0], Block) and specs[0].attends is None and \
+        specs[0].out_shard is None and not specs[0].follow
+
+
+def _passing_heads(entries: list[tuple[str, nn.Module, list[Any]]]) -> dict[str, Any]:
+    """{path of a ``Heads`` module: the layout of its block}, for each whose innermost planned ``Block`` around it
+    passes through (``_passes_through``)."""
+    blocks = {path: specs for path, _, specs in entries if any(isinstance(s, Block) for s in specs)}
+    found = {}
+    for path, _, specs in entries:
+        if not any(isinstance(s, Heads) for s in specs) or path in blocks:
+            continue
+        parts = path.split(".")
+        outer = next((".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1) if ".".join(parts[:i]) in blocks),
+                     None)
+        block = [s for s in blocks[outer] if not isinstance(s, Grid)] if outer is not None else []
+        if _passes_through(block):
+            found[path] = block[0].layout
+    return found
 
 
 def _acts_before(spec: Any) -> bool:

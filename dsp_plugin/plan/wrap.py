@@ -40,10 +40,12 @@ class Forward:
 
     ``inner``: the forward the instance had before (a framework's wrapper), or None: its class's. ``active``:
     False once the plan is removed while something else wraps this one (``unwrap``): a plain call then.
+    ``bypass(module) -> bool``, or None: asked first in an eager call; True: this call runs without the hooks
+    (their work is known to be done already, ``_Runtime.bypass``).
     """
 
-    def __init__(self, module: nn.Module, pre: Any, post: Any) -> None:
-        self.module, self.pre, self.post, self.active = module, pre, post, True
+    def __init__(self, module: nn.Module, pre: Any, post: Any, bypass: Any = None) -> None:
+        self.module, self.pre, self.post, self.active, self.bypass = module, pre, post, True, bypass
         self.inner: Any = module.__dict__.get("forward")
         self.call = self._call_target()
 
@@ -78,6 +80,8 @@ class Forward:
                 return output
             result = post(module, args, kwargs, output)
             return output if result is None else result
+        if self.bypass is not None and self.bypass(module):
+            return self.call(*args, **kwargs)
         posted = False
         try:
             if pre is not None:
@@ -127,9 +131,9 @@ def still_wrapped(module: nn.Module, wrapper: Forward, path: str) -> None:
               path or type(module).__name__)
 
 
-def wrap(module: nn.Module, pre: Any, post: Any) -> Handle:
-    """Set ``Forward(module, pre, post)`` as ``module``'s forward; the handle removes it."""
-    wrapper = Forward(module, pre, post)
+def wrap(module: nn.Module, pre: Any, post: Any, bypass: Any = None) -> Handle:
+    """Set ``Forward(module, pre, post, bypass)`` as ``module``'s forward; the handle removes it."""
+    wrapper = Forward(module, pre, post, bypass)
     module.forward = wrapper
     return Handle(module, wrapper)
 
