@@ -34,6 +34,10 @@ def test_costs_section_runs_and_prints_its_rows(tmp_path) -> None:
         # the clock's own reads were measured in the ranks and taken off the hooks' time
         assert r["plan_raw_cpu_ms"] > r["plan_cpu_ms"] and r["clock_us"]["plan_cpu"] > 0, r
     assert table.count("plan runtime's share of a Wan") == 2
+    cost = result["runtime_cost"]  # the A/B against the hand-written Wan: 20 paired rounds, an interval around it
+    assert cost["rounds"] == 20 and cost["plan_ms"] > 0 and cost["hand_ms"] > 0, cost
+    assert cost["paired_interval"][0] <= cost["paired_share"] <= cost["paired_interval"][1], cost
+    assert table.count("plan runtime's cost of a Wan forward") == 1
     written = costs.write(result, tmp_path)
     assert all(p.stat().st_size > 0 for p in written)
 

@@ -19,7 +19,10 @@ On N gloo ranks (CPU), one table:
   are what an interconnect-bound cluster pays.
 - **the plan runtime's share of a step** (``dsp_plugin.bench.overhead``): the Wan of the bench's
   full-3D row (``dsp_plugin.bench.wan``), one forward and one training step; CPU time in the runtime's
-  hooks plus the head switch's SDPA-level function mode (measured A/B) over the step's.
+  hooks plus the head switch's SDPA-level function mode (measured A/B) over the step's (the clock: it charges
+  the hooks every cold cache line they touch). Beside it, what the runtime costs a forward (a denoising step):
+  the plan's Wan against the same Wan made parallel by hand (``dsp_plugin.bench.hand_wan``, rank 0 of a fake
+  world), the median of the rounds' paired differences with a 95% bootstrap interval.
 - **the plan runtime under ``torch.compile``** (with the compile rows): at the same Wan, the Python calls
   into dsp_plugin per step (``sys.setprofile``), eager against ``backend="aot_eager"``, and the step's CPU
   time: compiled, the hooks run inside the graph and only the model's own hooks are left.
@@ -217,7 +220,7 @@ def run(n: int = 2, *, quick: bool = False, rounds: int | None = None, models: t
     """The costs as one dict (``markdown`` prints it). ``models``: the compiled ones (``"wan"``,
     ``"stdit"``; ``()`` leaves the compile rows out); ``switch``/``heads``: the per-rank shapes of the wire
     rows; ``runtime_size``: the Wan of the runtime's share (``bench.wan``'s size tuple)."""
-    from dsp_plugin.bench import overhead, wan
+    from dsp_plugin.bench import hand_wan, overhead, wan
 
     rounds = rounds or (10 if quick else 20)
     names = models if models is not None else (("wan",) if quick else ("wan", "stdit"))
@@ -254,6 +257,9 @@ def run(n: int = 2, *, quick: bool = False, rounds: int | None = None, models: t
     size = runtime_size or (wan.QUICK if quick else wan.SIZE)
     print(f"[costs] the plan runtime's share: Wan {size} on {n} ranks", file=sys.stderr, flush=True)
     result["runtime"] = overhead.rows(overhead.measure(n, size, rounds=rounds))
+    print(f"[costs] the plan runtime's cost against the hand-written Wan: Wan {size}, {rounds * 10} paired rounds",
+          file=sys.stderr, flush=True)
+    result["runtime_cost"] = hand_wan.measure_against_hand(n, size, rounds=rounds * 10, per_round=2)
     result["compiled_runtime"] = {}
     if names:   # with the compile rows: the runtime's Python left under torch.compile, at the same Wan
         print(f"[costs] the plan runtime under torch.compile: Wan {size} on {n} ranks", file=sys.stderr, flush=True)
@@ -302,6 +308,16 @@ def markdown(result: dict[str, Any]) -> str:
                      f"{r['plan_cpu_ms'] + r['mode_cpu_ms']:.2f} ms | {100 * r['total_share']:.1f}% | hooks "
                      f"{100 * r['cpu_share']:.1f}% + SDPA-level mode {100 * r['mode_share']:.1f}% ({r['mode_calls']} "
                      f"ops); hooks' wall share {100 * r['share']:.1f}% |")
+    r = result.get("runtime_cost")
+    if r is not None:
+        layers, heads, head_dim = r["size"][:3]
+        low, high = r["paired_interval"]
+        lines.append(f"| plan runtime's cost of a Wan forward (a denoising step; {layers} layers, {heads} x "
+                     f"{head_dim}): made parallel by hand (A) vs by the plan (B), rank 0 of a fake world of {r['n']} | "
+                     f"{r['hand_ms']:.1f} ms | {r['plan_ms']:.1f} ms | {100 * r['paired_share']:.1f}% "
+                     f"[{100 * low:.1f}, {100 * high:.1f}] | CPU ms per forward, medians; the share: the median of "
+                     f"{r['rounds']} rounds' paired differences (B - A) over B's median, with a 95% bootstrap "
+                     f"interval |")
     for mode, r in result.get("compiled_runtime", {}).items():
         layers, heads, head_dim = r["size"][:3]
         what = "forward (a denoising step)" if mode == "forward" else "forward + backward"

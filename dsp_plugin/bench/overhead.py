@@ -243,8 +243,8 @@ def _worker(rank: int, n: int, size: tuple[int, ...], rounds: int, modes: tuple[
             hook = d[key]
             label = f"plan: {hook.kind} hook of {hook.path!r}" if hasattr(hook, "path") else None
             d[key] = clock.timed("plan", hook, label)
-    for wrapper in wrappers(model):  # and around its modules' forwards (plan/wrap.py)
-        for side in ("pre", "post"):
+    for wrapper in wrappers(model):  # and around its modules' forwards (plan/wrap.py), a block's bypass test too
+        for side in ("pre", "post", "bypass"):
             hook = getattr(wrapper, side)
             if hook is not None:
                 setattr(wrapper, side, clock.timed("plan", hook, f"plan: {hook.kind} hook of {hook.path!r}"))
