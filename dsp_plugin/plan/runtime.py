@@ -545,7 +545,9 @@ class _Runtime:
             first = ops.tag(first, spec.layout, grid, shard)
         if frame is not None:
             frame.grid, frame.shard = grid, shard
-            frame.passing = spec.layout if not state["empty"] and not torch.compiler.is_compiling() else None
+            # a block that switches hands on no placement: a tensor tagged before its switch may feed a later block
+            switches = spec.attends is not None or spec.out_shard is not None
+            frame.passing = None if state["empty"] or switches or torch.compiler.is_compiling() else spec.layout
         return (first, *output[1:]) if isinstance(output, tuple) else first
 
 
