@@ -3,8 +3,9 @@ runs without its hooks in a forward without autograd, where the frame holds the 
 handed on (``_Runtime.bypass``); its ``Heads`` modules read the placement from the frame. Checked on 2 gloo ranks
 against the one-process model: which blocks ran their hooks, and that the output is the same, in sampling (no
 autograd: left out; an EMA copy too), in training (run: a recompute would look for the tags), under ``DSP_CHECK=1``
-(run), and where a split of another stream moved the frame between two blocks (run: the frame is not the block's
-placement).
+(run), where a split of another stream moved the frame between two blocks (run: the frame is not the block's
+placement), and where a block is given a tensor of another stream, tagged before (run: its tag is not the one the
+frame's placement came with).
 """
 
 from __future__ import annotations
@@ -60,6 +61,31 @@ class _TwoStreams(nn.Module):
                     torch.distributed.all_reduce(context)
                 context = context / 6
         return x
+
+
+class _TwoVideos(nn.Module):
+    """Two videos of 4 frames of 2 tokens through blocks of one plan entry: ``z`` is split first, by its tokens
+    within a frame, ``x`` by frames and runs through blocks 0 and 1, then ``z`` through block 2: the frame holds
+    ``x``'s placement there (the same number of tokens per rank), ``z`` its own tag."""
+
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(dim, heads) for _ in range(3)])
+        self.zin, self.gx, self.gz = nn.Identity(), nn.Identity(), nn.Identity()
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor, frames: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        z, context = self.zin(z), torch.zeros_like(x[:, :1])
+        x = self.blocks[1](self.blocks[0](x, context), context)
+        z = self.blocks[2](z, context)
+        return self.gx(x), self.gz(z)
+
+
+def _two_videos_plan() -> dict[str, object]:
+    from dsp_plugin.plan import Block, Gather, Grid, Heads, Split
+
+    return {"": Grid(F=("frames", 0)), "zin": Split("out", "B (F S) D", shard="S"),
+            "blocks.0": Split("x", "B (F S) D", shard="F"), "blocks.*": Block("B (F S) D", arg="x"),
+            "blocks.*.attn": Heads(), "gx": Gather("out", "B (F S) D"), "gz": Gather("out", "B (F S) D")}
 
 
 def _two_streams_plan() -> dict[str, object]:
@@ -130,6 +156,17 @@ def _bypass(rank: int, world_size: int) -> dict[str, object]:
         counts = _ran(parallel, ["blocks.1"])
         got = parallel(x, text)
     out["streams"] = ((got - expected).abs().max().item(), len(counts["blocks.1"]))
+
+    torch.manual_seed(0)
+    videos, x, z, frames = _TwoVideos(), torch.randn(2, 8, 16), torch.randn(2, 8, 16), torch.zeros(4)
+    plain = copy.deepcopy(videos)
+    with torch.no_grad():
+        expected = plain(x, z, frames)
+        parallel = dsp_plugin.parallelize(videos, _two_videos_plan(), group=torch.distributed.group.WORLD)
+        counts = _ran(parallel, ["blocks.1", "blocks.2"])
+        got = parallel(x, z, frames)
+    out["videos"] = (max((g - e).abs().max().item() for g, e in zip(got, expected)),
+                     {k: len(v) for k, v in counts.items()})
     return out
 
 
@@ -145,3 +182,5 @@ def test_a_pass_through_block_runs_without_its_hooks_only_where_nothing_needs_th
         assert diff < 1e-5 and ran == {"blocks.1": 0, "blocks.2": 0}, (rank, r)
         diff, ran = r["streams"]
         assert diff < 1e-5 and ran == 1, (rank, r)  # the text's split moved the frame: blocks.1 reads its tag
+        diff, ran = r["videos"]  # z carries its own tag, not the one the frame's placement came with: blocks.2 reads it
+        assert diff < 1e-5 and ran == {"blocks.1": 0, "blocks.2": 1}, (rank, r)

@@ -75,9 +75,10 @@ class Frame:
     masks: dict[int, Any] = field(default_factory=dict)  # under sharded_io: key-padding masks laid out (Heads)
     members: tuple[int, int] | None = None  # the plan's group: (size, this rank's place), resolved for this forward
     check_always: bool = False  # DSP_CHECK=1 (checks.check_mode), read once for this forward
-    # the layout of the block whose output placement ``grid`` and ``shard`` are (set by the post-hook of a block
-    # that switched nothing, on a non-empty shard; None once a split, gather or switch moved them): a pass-through
-    # block of that layout runs without its hooks in a forward without autograd (``_Runtime.bypass``)
+    # (layout, tag) of the block whose output placement ``grid`` and ``shard`` are, and the tag it left on that
+    # output (set by the post-hook of a block that switched nothing, on a non-empty shard; None once a split,
+    # gather or switch moved them): a pass-through block of that layout whose input carries that tag or none runs
+    # without its hooks in a forward without autograd (``_Runtime.bypass``)
     passing: Any = None
     outer: Frame | None = None  # open_frame: the owner's frame this one is nested in, current again when it closes
 

@@ -276,7 +276,8 @@ class _Runtime:
             or (frame.check_always if frame is not None else checks.check_mode() == "always"))
         block = None
         layout = self.in_passing.get(path)
-        if layout is not None and frame is not None and frame.passing is layout and not compiling:
+        if layout is not None and frame is not None and frame.passing is not None and frame.passing[0] is layout \
+                and not compiling:
             # its block ran without hooks (``bypass``) if no block of this forward is open: the frame's placement
             for f in reversed(frames()):
                 if f is frame:
@@ -322,16 +323,41 @@ class _Runtime:
                         kwargs: dict[str, Any], output: Any) -> Any:
         return self.block_post(path, specs[0], output)
 
-    def bypass(self, path: str, specs: list[Any], module: nn.Module) -> bool:
-        """Whether a call of a pass-through block (``_passing_heads``) can run without its hooks: in a forward
-        without autograd (no recompute will look for its input's tag) whose frame holds the placement a block of
-        the same layout handed on (``Frame.passing``), which is its input's then; its hooks would only read that
-        placement, tag the input and the output with it, and give it to its ``Heads`` modules, which read it from
-        the frame instead (``heads_enter``). Not under DSP_CHECK=1."""
+    def bypass(self, path: str, specs: list[Any], module: nn.Module, args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+        """The tag to leave on its output where a call of a pass-through block (``_passing_heads``) can run
+        without its hooks, else None: in a forward without autograd (no recompute will look for its input's tag)
+        whose frame holds the placement a block of the same layout handed on (``Frame.passing``), when its input
+        carries that block's tag or none (the hooks would read the frame then too). Its hooks would only read that
+        placement, tag the output with it (``bypass_finish``) and give it to its ``Heads`` modules, which read it
+        from the frame instead (``heads_enter``). Not under DSP_CHECK=1."""
         if torch.is_grad_enabled():
-            return False
+            return None
         frame = current_frame(self)
-        return frame is not None and frame.passing is specs[0].layout and not frame.check_always
+        if frame is None or frame.passing is None or frame.passing[0] is not specs[0].layout or frame.check_always:
+            return None
+        x = self._activation(path, specs[0].arg, args, kwargs)
+        if not isinstance(x, torch.Tensor):
+            return None  # the hooks say what is wrong with it
+        own = getattr(x, carrier.TAG_ATTR, None)
+        return frame.passing[1] if own is None or own is frame.passing[1] else None
+
+    def bypass_finish(self, output: Any, tag: Any) -> Any:
+        """A bypassed block's output tagged as ``block_post`` tags it (the input's placement, its tag)."""
+        first = output[0] if isinstance(output, tuple) else output
+        if isinstance(first, torch.Tensor):
+            carrier.attach_spec(first, tag)
+        return output
+
+    def _activation(self, path: str, arg: str | int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The block's activation where the call passed it plainly (by position, or by keyword), else None."""
+        if isinstance(arg, int):
+            return args[arg] if arg < len(args) else None
+        if arg in kwargs:
+            return kwargs[arg]
+        known = self.places.get(path)
+        index = known[1].get(arg) if known is not None and known[1] is not None else None
+        return args[index] if index is not None and index < len(args) else None
 
     def _learn(self, path: str, module: nn.Module, call: Any) -> None:
         """After a ``Heads`` call: whether the module attends through diffusers' dispatch alone.
@@ -547,7 +573,9 @@ class _Runtime:
             frame.grid, frame.shard = grid, shard
             # a block that switches hands on no placement: a tensor tagged before its switch may feed a later block
             switches = spec.attends is not None or spec.out_shard is not None
-            frame.passing = None if state["empty"] or switches or torch.compiler.is_compiling() else spec.layout
+            tag = getattr(first, carrier.TAG_ATTR, None) if isinstance(first, torch.Tensor) else None
+            frame.passing = None if state["empty"] or switches or tag is None or torch.compiler.is_compiling() \
+                else (spec.layout, tag)
         return (first, *output[1:]) if isinstance(output, tuple) else first
 
 
@@ -570,6 +598,10 @@ class _Hook:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
         return _Hook(copy.deepcopy(self.runtime, memo), self.kind, self.path, self.specs)
+
+    def finish(self, output: Any, token: Any) -> Any:
+        """After a call ``runtime.bypass`` let run without the hooks (``plan.wrap.Forward``)."""
+        return self.runtime.bypass_finish(output, token)
 
 
 def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None, *, comm_dtype: object = None) -> nn.Module:

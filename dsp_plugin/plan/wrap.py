@@ -40,12 +40,14 @@ class Forward:
 
     ``inner``: the forward the instance had before (a framework's wrapper), or None: its class's. ``active``:
     False once the plan is removed while something else wraps this one (``unwrap``): a plain call then.
-    ``bypass(module) -> bool``, or None: asked first in an eager call; True: this call runs without the hooks
-    (their work is known to be done already, ``_Runtime.bypass``).
+    ``bypass(module, args, kwargs)``, or None: asked first in an eager call; None: the hooks run; any other
+    value: this call runs without them (their work is known to be done already, ``_Runtime.bypass``) and its
+    output is ``bypass.finish(output, value)``.
     """
 
     def __init__(self, module: nn.Module, pre: Any, post: Any, bypass: Any = None) -> None:
         self.module, self.pre, self.post, self.active, self.bypass = module, pre, post, True, bypass
+        self.finish = getattr(bypass, "finish", None)  # kept here: a bench may wrap ``bypass`` to time it
         self.inner: Any = module.__dict__.get("forward")
         self.call = self._call_target()
 
@@ -80,8 +82,10 @@ class Forward:
                 return output
             result = post(module, args, kwargs, output)
             return output if result is None else result
-        if self.bypass is not None and self.bypass(module):
-            return self.call(*args, **kwargs)
+        if self.bypass is not None:
+            token = self.bypass(module, args, kwargs)
+            if token is not None:
+                return self.finish(self.call(*args, **kwargs), token)
         posted = False
         try:
             if pre is not None:
