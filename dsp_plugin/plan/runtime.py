@@ -336,7 +336,7 @@ class _Runtime:
         frame = current_frame(self)
         if frame is None or frame.passing is None or frame.passing[0] is not specs[0].layout or frame.check_always:
             return None
-        x = self._activation(path, specs[0].arg, args, kwargs)
+        x = _Args(module, args, kwargs, self.places.get(path)).get(specs[0].arg)  # as block_pre reads it
         if not isinstance(x, torch.Tensor):
             return None  # the hooks say what is wrong with it
         own = getattr(x, carrier.TAG_ATTR, None)
@@ -348,16 +348,6 @@ class _Runtime:
         if isinstance(first, torch.Tensor):
             carrier.attach_spec(first, tag)
         return output
-
-    def _activation(self, path: str, arg: str | int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The block's activation where the call passed it plainly (by position, or by keyword), else None."""
-        if isinstance(arg, int):
-            return args[arg] if arg < len(args) else None
-        if arg in kwargs:
-            return kwargs[arg]
-        known = self.places.get(path)
-        index = known[1].get(arg) if known is not None and known[1] is not None else None
-        return args[index] if index is not None and index < len(args) else None
 
     def _learn(self, path: str, module: nn.Module, call: Any) -> None:
         """After a ``Heads`` call: whether the module attends through diffusers' dispatch alone.
