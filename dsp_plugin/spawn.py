@@ -25,7 +25,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SpawnError", "spawn"]
+__all__ = ["SpawnError", "collect", "run_rank", "spawn"]
 
 
 class SpawnError(RuntimeError):
@@ -37,13 +37,17 @@ def _meet(store: Any, name: str, rank: int, world_size: int, timeout: datetime.t
     store.wait([f"{name}/{r}" for r in range(world_size)], timeout)
 
 
-def _rank_main(fn: Callable[..., Any] | str, rank: int, world_size: int, init_file: str, results: Any,
-               args: tuple[Any, ...], collective_timeout_s: float, final_barrier: bool, backend: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+def run_rank(fn: Callable[..., Any] | str, rank: int, world_size: int, init_file: str, args: tuple[Any, ...],
+             collective_timeout_s: float, final_barrier: bool, backend: str) -> tuple[str, Any]:
+    """One rank's part of a run: the process group, ``fn(rank, world_size, *args)``, teardown.
+
+    Returns ``("ok", value)`` or ``("error", text)`` (the exception and its traceback); never raises. The
+    process group is destroyed and the topology uninstalled whatever happens, so the calling process can
+    run another (the test suite's rank pool does, one run per test).
+    """
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
     timeout = datetime.timedelta(seconds=collective_timeout_s)
     try:
         if isinstance(fn, str):  # "module:function", imported in the ranks only
@@ -77,10 +81,62 @@ def _rank_main(fn: Callable[..., Any] | str, rank: int, world_size: int, init_fi
             from dsp_plugin.topology import set_topology
 
             set_topology(None)
-            dist.destroy_process_group()
-        results.put((rank, "ok", value))
+            if dist.is_initialized():   # a run may have torn its group down itself
+                dist.destroy_process_group()
+        return "ok", value
     except BaseException as exc:  # noqa: BLE001 - everything must reach the parent
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+        return "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+
+
+def _rank_main(fn: Callable[..., Any] | str, rank: int, world_size: int, init_file: str, results: Any,
+               args: tuple[Any, ...], collective_timeout_s: float, final_barrier: bool, backend: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    status, value = run_rank(fn, rank, world_size, init_file, args, collective_timeout_s, final_barrier, backend)
+    results.put((None, rank, status, value))
+
+
+def collect(results: Any, procs: list[Any], timeout: float,
+            task: object = None) -> tuple[dict[int, Any], list[str], bool]:
+    """Wait for one report ``(task, rank, status, value)`` per process in ``procs``; stale tasks' reports are dropped.
+
+    Returns the values by rank, the errors (a rank's exception with its traceback, ranks that exited
+    without reporting: killed, segfault, noticed at once rather than at the deadline; ranks still running
+    after ``timeout`` seconds) and whether every rank reported. It returns at the first rank found dead or
+    at the deadline: the caller must then kill what still runs before it reuses anything.
+    """
+    world_size = len(procs)
+    values: dict[int, Any] = {}
+    errors: list[str] = []
+    reported: set[int] = set()
+    deadline = time.monotonic() + timeout
+    while len(reported) < world_size:
+        try:
+            of, rank, status, value = results.get(timeout=0.5)
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+            if dead:  # exited without reporting (killed, segfault): give stragglers a moment
+                time.sleep(1)
+                dead = [r for r in dead if results.empty()]
+            if dead:
+                errors.append(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]} "
+                              "without reporting")
+                break
+            if time.monotonic() > deadline:
+                errors.append(f"ranks {sorted(set(range(world_size)) - reported)} "
+                              f"did not finish within {timeout}s")
+                break
+            continue
+        if of != task:
+            continue
+        reported.add(rank)
+        if status == "ok":
+            values[rank] = value
+        else:
+            errors.append(f"rank {rank} raised {value}")
+    return values, errors, len(reported) == world_size
 
 
 def spawn(fn: Callable[..., Any] | str, world_size: int, *args: Any, timeout: float = 600,
@@ -96,8 +152,6 @@ def spawn(fn: Callable[..., Any] | str, world_size: int, *args: Any, timeout: fl
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    values: dict[int, Any] = {}
-    errors: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         # not daemonic: a rank may start DataLoader workers; stragglers are killed below
@@ -106,31 +160,8 @@ def spawn(fn: Callable[..., Any] | str, world_size: int, *args: Any, timeout: fl
                  for r in range(world_size)]
         for p in procs:
             p.start()
-        reported: set[int] = set()
-        deadline = time.monotonic() + timeout
         try:
-            while len(reported) < world_size:
-                try:
-                    rank, status, value = results.get(timeout=0.5)
-                except queue.Empty:
-                    dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
-                    if dead:  # exited without reporting (killed, segfault): give stragglers a moment
-                        time.sleep(1)
-                        dead = [r for r in dead if results.empty()]
-                    if dead:
-                        errors.append(f"ranks {dead} exited with codes {[procs[r].exitcode for r in dead]} "
-                                      "without reporting")
-                        break
-                    if time.monotonic() > deadline:
-                        errors.append(f"ranks {sorted(set(range(world_size)) - reported)} "
-                                      f"did not finish within {timeout}s")
-                        break
-                    continue
-                reported.add(rank)
-                if status == "ok":
-                    values[rank] = value
-                else:
-                    errors.append(f"rank {rank} raised {value}")
+            values, errors, _ = collect(results, procs, timeout)
         finally:
             for p in procs:
                 p.join(timeout=10)

@@ -32,3 +32,11 @@ def one_rank() -> Iterator[None]:
         finally:
             ps.destroy_model_parallel()
             torch.distributed.destroy_process_group()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The rank pools (tests.pool) leave with the session, not at interpreter exit after pytest's report."""
+    if "tests.pool" in __import__("sys").modules:
+        from tests.pool import close_pools
+
+        close_pools()

@@ -46,10 +46,10 @@ def test_compiled_plan_runtime_runs_a_few_calls_per_step() -> None:
     """The row of the plan runtime under ``torch.compile`` (aot_eager), at a tiny Wan: compiled, the hooks run
     inside the graph, and only the model's own hooks are Python left per step (the bench's Wan: 1424 calls
     eager, 18 compiled per forward). Counted, not timed."""
-    from dsp_plugin.spawn import spawn
+    from tests.distributed import run_distributed
 
-    for rank, r in enumerate(spawn(costs._compiled_runtime_worker, 2, (1, 2, 8, 2, 4), 2, timeout=600,
-                                   collective_timeout_s=300)):
+    for rank, r in enumerate(run_distributed(costs._compiled_runtime_worker, 2, (1, 2, 8, 2, 4), 2, timeout=600,
+                                             collective_timeout_s=300, world_topology=False)):
         for mode in ("forward", "train"):
             calls = r[mode]["calls"]
             print(f"rank {rank} {mode}: Python calls into dsp_plugin per step {calls}")

@@ -12,7 +12,7 @@ import functools
 import pytest
 import torch
 
-from dsp_plugin.spawn import spawn
+from tests.distributed import run_distributed
 
 SIZE = (2, 4, 8, 4, 8)  # the quick Wan: 64 tokens, 4 heads; 4 frames over 2 ranks
 
@@ -63,7 +63,7 @@ def _replaced_and_removed(rank: int, world_size: int) -> dict[str, object]:
 
 
 def test_a_replaced_forward_is_wrapped_again_and_remove_plan_restores_every_forward() -> None:
-    for rank, r in enumerate(spawn(_replaced_and_removed, 2)):
+    for rank, r in enumerate(run_distributed(_replaced_and_removed, 2, world_topology=False)):
         assert r["rewrapped"] and r["calls"] == 1, (rank, r)
         assert r["kept"] and r["restored"], (rank, r)
         for key in ("replaced", "wrapped_over", "removed"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dsp_plugin.spawn import spawn
+from tests.distributed import run_distributed
 
 
 def _step(rank: int, world: int) -> list[str]:
@@ -27,7 +27,7 @@ def _step(rank: int, world: int) -> list[str]:
 
 
 def test_first_step_is_logged_once_with_groups_switches_and_bytes():
-    lines = spawn(_step, 2)[0]
+    lines = run_distributed(_step, 2, world_topology=False)[0]
     assert lines[0] == "DSP: tp(1) x dsp(2) x dp(1) x pp(1) = 2; rank 0 at tp=0 dsp=0 dp=0 pp=0; DSP groups [[0, 1]]"
     # a [2, 2, 6, 8] fp32 shard is 768 bytes; a switch sends half of it (384 B) to the peer, once each way
     assert lines[1] == ("DSP step traffic (this rank): 1 all-to-alls forward, 1 backward, 0.8 KiB sent, "

@@ -1,0 +1,307 @@
+"""A persistent pool of gloo rank processes per world size, reused by every test that only needs ranks.
+
+Starting 2-4 processes per test, each importing torch (and deepspeed, megatron-core or diffusers)
+again, cost seconds per test before any assertion on 2 cores. A pool starts its processes once per
+test session (per world size, when a test first asks for it) and then runs one test body after
+another on them, as DeepSpeed's ``DistributedTest`` with ``reuse_dist_env`` and PyTorch's
+``MultiProcContinuousTest`` do.
+
+Per run, each rank (``_worker``):
+
+- takes the parent's environment and working directory as they are at the call (what a spawned
+  process would have inherited), the fresh process's seeds, and torch's global defaults;
+- builds a new gloo process group on a new file store, meets its peers, calls the test body, meets
+  them again and destroys the group (``dsp_plugin.spawn.run_rank``, the same code ``spawn`` runs); a
+  fresh group per run costs milliseconds, and no run can read a message a failed run left on a pair;
+- then resets what a test body can leave behind in the process: the topology, the cross-rank
+  check's memory of signatures, nn.Module global hooks, compiled graphs, DeepSpeed's and Megatron's
+  module-level groups and arguments, environment, working directory, ``sys.argv`` and signal handlers.
+
+A run that times out, whose rank dies, or that fails on some ranks but not all gets the pool killed;
+the next run starts a new one. A run whose every rank raised keeps it (a refusal on every rank is
+what the bad-input tests expect; each rank's state was reset as after any run).
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import multiprocessing as mp
+import os
+import pickle
+import random
+import signal
+import sys
+import tempfile
+import threading
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from dsp_plugin.spawn import SpawnError, collect, run_rank
+
+__all__ = ["RankPool", "close_pools", "pool"]
+
+_START_TIMEOUT_S = 180
+_SIGNALS = tuple(s for s in (signal.SIGXFSZ, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2,
+                             signal.SIGALRM, signal.SIGPIPE))
+
+
+class RankPool:
+    """``world_size`` worker processes that run ``fn(rank, world_size, *args)`` on a new gloo group each time."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.starts = 0          # how many times processes were started (a test of the pool reads it)
+        self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+        self._retiring: list[Any] = []
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._next = 0
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    def _start(self) -> None:
+        self.kill()
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"dsp-pool{self.world_size}-")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._retiring = [ctx.Event() for _ in range(self.world_size)]
+        # not daemonic: a test body may start DataLoader workers
+        self._procs = [ctx.Process(target=_worker, args=(r, self._tasks[r], self._results, self._retiring[r]),
+                                   name=f"pool-rank{r}") for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+        self.starts += 1
+        _, errors, complete = collect(self._results, self._procs, _START_TIMEOUT_S, task="ready")
+        if errors or not complete:
+            self.kill()
+            raise SpawnError("the rank pool did not start:\n" + "\n".join(errors))
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float, collective_timeout_s: float,
+            final_barrier: bool = True) -> list[Any]:
+        """Like ``dsp_plugin.spawn.spawn`` (same errors, same messages), on the pool's processes."""
+        if not self.alive:
+            self._start()
+        self._next += 1
+        task = self._next
+        assert self._tmp is not None
+        init_file = os.path.join(self._tmp.name, f"store-{task}")
+        payload = pickle.dumps((fn, args, dict(os.environ), os.getcwd(), init_file, collective_timeout_s,
+                                final_barrier, self.world_size))
+        for queue in self._tasks:
+            queue.put((task, payload))
+        healthy = False
+        try:
+            blobs, errors, complete = collect(self._results, self._procs, timeout, task=task)
+            # every rank reported, and alike (all returned or all raised), and each could reset its state
+            healthy = complete and (not errors or not blobs) and not any(e.is_set() for e in self._retiring)
+        finally:
+            if not healthy:   # a timeout, a dead rank, a failure on some ranks only, or the test interrupted
+                self.kill()
+        if errors:
+            raise SpawnError("\n".join(sorted(errors)))
+        return [pickle.loads(blobs[r]) for r in range(self.world_size)]
+
+    def kill(self) -> None:
+        """Stop every process now (a rank may be stuck in a collective); the next run starts new ones."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        for q in [*self._tasks, self._results]:
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+        self._procs, self._tasks, self._results, self._retiring = [], [], None, []
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def close(self) -> None:
+        """Ask every process to leave, then kill what did not."""
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+        self.kill()
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def pool(world_size: int) -> RankPool:
+    """The session's pool for ``world_size`` ranks (started at its first run)."""
+    if world_size not in _POOLS:
+        _POOLS[world_size] = RankPool(world_size)
+    return _POOLS[world_size]
+
+
+def close_pools() -> None:
+    for p in _POOLS.values():
+        p.close()
+    _POOLS.clear()
+
+
+atexit.register(close_pools)
+
+
+# --- the worker side -----------------------------------------------------------------------------------------
+
+
+def _worker(rank: int, tasks: Any, results: Any, retiring: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    fresh = _Fresh()
+    results.put(("ready", rank, "ok", None))
+    while True:
+        item = tasks.get()
+        if item is None:
+            return
+        task, payload = item
+        try:
+            fn, args, env, cwd, init_file, collective_timeout_s, final_barrier, world_size = pickle.loads(payload)
+        except BaseException as exc:  # noqa: BLE001 - a test module that fails to import here
+            results.put((task, rank, "error", f"{type(exc).__name__} while loading the test body: {exc}"))
+            continue
+        fresh.enter(env, cwd)
+        try:
+            status, value = run_rank(fn, rank, world_size, init_file, args, collective_timeout_s, final_barrier,
+                                     "gloo")
+            if status == "ok":
+                try:
+                    value = pickle.dumps(value)
+                except Exception as exc:  # noqa: BLE001
+                    status, value = "error", f"the test body's return value does not pickle: {exc!r}"
+        finally:
+            if not fresh.leave():
+                retiring.set()   # before the report: the parent reads it with the report, and kills the pool
+        results.put((task, rank, status, value))
+
+
+class _Fresh:
+    """What a newly spawned rank would start with, put back around every run."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.env = dict(os.environ)
+        self.argv = list(sys.argv)
+        self.seed = torch.initial_seed()
+        self.dtype = torch.get_default_dtype()
+        self.handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+
+    def enter(self, env: dict[str, str], cwd: str) -> None:
+        import torch
+
+        os.environ.clear()
+        os.environ.update(env)
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.chdir(cwd)
+        torch.manual_seed(self.seed)
+        random.seed(0)
+        if "numpy" in sys.modules:
+            sys.modules["numpy"].random.seed(0)
+
+    def leave(self) -> bool:
+        """Put back what a run may have changed; False when something could not be (then the pool is rebuilt)."""
+        import torch
+
+        clean = True
+        for reset in _RESETS:
+            try:
+                reset()
+            except Exception:  # noqa: BLE001 - said on stderr; the parent rebuilds the pool
+                print(f"rank pool: {reset.__name__} failed; this pool is rebuilt before the next run\n"
+                      f"{traceback.format_exc()}", file=sys.stderr, flush=True)
+                clean = False
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        torch.use_deterministic_algorithms(False)
+        torch.autograd.set_detect_anomaly(False)
+        torch.set_num_threads(1)
+        sys.argv[:] = self.argv
+        for s, handler in self.handlers.items():
+            signal.signal(s, handler)
+        os.environ.clear()
+        os.environ.update(self.env)
+        gc.collect()
+        return clean
+
+
+def _reset_dsp_plugin() -> None:
+    from dsp_plugin import checks, failures
+    from dsp_plugin.plan import recompute
+    from dsp_plugin.topology import set_topology
+
+    set_topology(None)
+    checks.forget_signatures()
+    checks.set_check_mode(None)
+    failures._posted = False
+    recompute._current = None
+    # a run that raised inside a forward may leave open frames, Heads calls or a check in progress behind
+    for name, module in list(sys.modules.items()):
+        if name.startswith("dsp_plugin") and isinstance(getattr(module, "_local", None), threading.local):
+            module._local.__dict__.clear()
+
+
+def _reset_torch() -> None:
+    import torch
+    from torch.nn.modules import module
+
+    for name in ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                 "_global_backward_pre_hooks", "_global_forward_hooks_always_called",
+                 "_global_forward_hooks_with_kwargs", "_global_module_registration_hooks",
+                 "_global_parameter_registration_hooks", "_global_buffer_registration_hooks"):
+        hooks = getattr(module, name, None)
+        if hooks is not None:
+            hooks.clear()
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def _reset_deepspeed() -> None:
+    comm = sys.modules.get("deepspeed.comm.comm")
+    if comm is not None:
+        comm.cdb = None
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        for name in ("_EXPERT_PARALLEL_GROUP", "_EXPERT_PARALLEL_GROUP_RANKS", "_EXPERT_DATA_PARALLEL_GROUP",
+                     "_EXPERT_DATA_PARALLEL_GROUP_RANKS", "_ALL_TO_ALL_GROUP"):
+            setattr(groups, name, {})
+        for name in ("_WORLD_GROUP", "_ZERO_PARAM_INTRA_PARALLEL_GROUP", "mpu", "mesh_device",
+                     "_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+                     "_MPU_TENSOR_MODEL_PARALLEL_WORLD_SIZE", "_MPU_TENSOR_MODEL_PARALLEL_RANK"):
+            if hasattr(groups, name):
+                setattr(groups, name, None)
+        groups.expert_tensor_parallel_world_size = 1
+
+
+def _reset_megatron() -> None:
+    state = sys.modules.get("megatron.core.parallel_state")
+    if state is not None:
+        state.destroy_model_parallel()
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    if global_vars is not None:
+        global_vars.destroy_global_vars()
+    calculator = sys.modules.get("megatron.core.num_microbatches_calculator")
+    if calculator is not None:
+        calculator.destroy_num_microbatches_calculator()
+    rng = sys.modules.get("megatron.core.tensor_parallel.random")
+    if rng is not None:
+        rng.get_cuda_rng_tracker().reset()
+
+
+_RESETS = (_reset_dsp_plugin, _reset_torch, _reset_deepspeed, _reset_megatron)
