@@ -23,7 +23,7 @@ train: setup
 	OMP_NUM_THREADS=1 $(PY) -m dsp_plugin.launch.train_dsp --steps $(ITERS) --compare out/dsp.json
 
 test: setup
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=25
 
 clean:
 	rm -rf out .pytest_cache

@@ -109,6 +109,8 @@ TINY_MEGATRON = (("ITERS=6", "ITERS=2"), ("^", "ITERS=2 "))
 RULES: list[Rule] = [
     # ---- recursion, installs, GPU, several nodes -------------------------------------------------------------
     Rule(r":make test", "skip", "the test suite itself"),
+    Rule(r"^README\.md:bash:source \.venv/bin/activate", "run"),
+    Rule(r"^README\.md:inline:make( setup)?$", "check", "the setup make train and make test start with (run below)"),
     Rule(r":inline:.*<\w+>", "skip", "a pattern with a placeholder (<name>), not a command"),
     Rule(r":pip install", "skip", "installs into the environment; tests/test_install.py checks the package"),
     Rule(r"IMPL=transformer_engine|FP8=", "check", "needs a GPU with Transformer Engine"),
@@ -124,8 +126,7 @@ RULES: list[Rule] = [
     Rule(r":(NPROC=2 ITERS=20 )?make train", "run", "",
          ((r"^(NPROC=2 ITERS=20 )?make train.*", "make -o .venv/.installed NPROC=2 ITERS=2 train"),),
          expect="largest difference: 0.00e+00"),
-    Rule(r"python -m dsp_plugin\.launch\.train_dsp --help", "run", subs=((r"^python", sys.executable),),
-         expect="--frames"),
+    Rule(r"python -m dsp_plugin\.launch\.train_dsp --help", "run", expect="--frames"),
     # ---- Megatron --------------------------------------------------------------------------------------------
     Rule(r"^README\.md:bash:NPROC=2 DSP=2 EVAL_ITERS=2 EVAL_INTERVAL=2 \./launch/run_megatron\.sh", "covered",
          tests=("tests/test_megatron_launch.py::test_evaluation_prints_megatron_validation_loss",)),
@@ -166,10 +167,9 @@ RULES: list[Rule] = [
     Rule(r"python -m dsp_plugin\.pipelines\.latency", "covered",
          tests=("tests/test_docs_commands.py::test_latency_command_writes_its_table_and_plot",)),
     # ---- benches ---------------------------------------------------------------------------------------------
-    Rule(r"bench --scale-only --calibration measured\.json", "run", subs=(("measured.json", "{calibration}"),
-                                                                          (r"^python", sys.executable)),
+    Rule(r"bench --scale-only --calibration measured\.json", "run", subs=(("measured.json", "{calibration}"),),
          expect="MEASURED (H100 run"),
-    Rule(r"bench --scale-only", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),), expect="Fig 8"),
+    Rule(r"bench --scale-only", "run", expect="Fig 8"),
     Rule(r"bench --costs-only", "check", "flags checked; the same costs section runs at tiny sizes, its compile "
          "rows left out, in tests/test_bench_costs.py (a first compiled call takes about a minute here)"),
     Rule(r"python -m dsp_plugin\.bench\.overhead", "check", "flags checked; tests/test_bench_costs.py runs its "
@@ -185,21 +185,19 @@ RULES: list[Rule] = [
     Rule(r"docs/benchmarks\.md:json", "run"),
     Rule(r"dsp_plugin\.bench\.switch --reps 30 --compare-with", "run",
          subs=((r"--reps 30 --compare-with OLD_COMM\.py", "--nproc 2 --mib 1 --reps 2 --compare-with "
-                "dsp_plugin/comm/primitives.py"), (r"^python", sys.executable)), expect="old switch"),
+                "dsp_plugin/comm/primitives.py"),), expect="old switch"),
     Rule(r"python -m dsp_plugin\.bench\.switch$", "check", "the same module runs on the line above "
          "(docs/benchmarks.md)"),
-    Rule(r"dsp_plugin\.bench\.memory", "run", subs=(("$", " --nproc 2 --frames 2 --size 8"),
-                                                    (r"^(\.venv/bin/)?python", sys.executable)),
+    Rule(r"dsp_plugin\.bench\.memory", "run", subs=(("$", " --nproc 2 --frames 2 --size 8"),),
          expect="ideal 1/N"),
     Rule(r"dsp_plugin\.plan\.dryrun --model wan2\.1-14b --frames 81 --height 720 --width 1280 --dsp 8 --zero 3 "
-         r"--recompute full$", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),), expect="fits", timeout=600),
+         r"--recompute full$", "run", expect="fits", timeout=600),
     Rule(r"dsp_plugin\.plan\.dryrun", "check", "the line above runs the 14B dry run; tests/test_dryrun.py runs the "
          "same code on tiny configs against real gloo steps (a 14B sweep takes minutes)"),
     Rule(r"dsp_plugin\.plan\.check( --model tiny-latte|$)", "covered",
          tests=("tests/test_plan_check.py::test_good_plan_exits_zero",
                 "tests/test_plan_check.py::test_wrong_axis_plan_exits_nonzero_naming_the_module")),
-    Rule(r"dsp_plugin\.bench\.published", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),),
-         expect="Wan 2.1 14B"),
+    Rule(r"dsp_plugin\.bench\.published", "run", expect="Wan 2.1 14B"),
     # ---- core, data, accounting -------------------------------------------------------------------------------
     Rule(r"^README\.md:python:from dsp_plugin import", "run", prelude=(
         "import torch\nx = torch.randn(2, 4, 6, 8)\n"
@@ -208,7 +206,7 @@ RULES: list[Rule] = [
     Rule(r"docs/data_and_accounting\.md:python:.*def step\(rank", "run", expect="all_to_all"),
     Rule(r"\.venv/bin/python acct_ddp\.py", "covered", tests=("tests/test_docs.py::test_doc_line",),
          why="the python block above it, saved as acct_ddp.py, runs here"),
-    Rule(r"\.venv/bin/python -c|python -c", "run", subs=((r"^(\.venv/bin/)?python", sys.executable),)),
+    Rule(r"\.venv/bin/python -c|python -c", "run"),
     Rule(r"pytest tests/test_|pytest -s tests/test_", "covered", tests=()),
     Rule(r"docs/api\.md:python:import torch\.distributed as dist\nfrom dsp_plugin import Topology", "covered",
          tests=("tests/test_reliability.py",), why="a fragment needing torchrun's environment; Topology.world() "
@@ -219,10 +217,9 @@ RULES: list[Rule] = [
          "one process"),
     Rule(r"docs/api\.md:python:import torch\nimport torch\.nn\.functional as F", "covered",
          tests=("tests/test_heads.py::test_the_api_example_runs_on_two_ranks",)),
-    Rule(r"PYTHONPATH=\. python scripts/check_cost\.py", "run", subs=((r"^PYTHONPATH=\. python", sys.executable),),
-         expect="us per call"),
+    Rule(r"PYTHONPATH=\. python scripts/check_cost\.py", "run", expect="us per call"),
     Rule(r"PYTHONPATH=\. python scripts/runtime_cost\.py", "run",
-         subs=((r"^PYTHONPATH=\. python", sys.executable), (r"\s*$", " --size 2,4,8,4,8 --rounds 20")),
+         subs=((r"\s*$", " --size 2,4,8,4,8 --rounds 20"),),
          expect="Python calls in the runtime per forward"),
     Rule(r"docs/megatron\.md:bash:F=\"--position-embedding-type rope", "covered",
          tests=("tests/test_megatron_paper_model.py",), why="the flags the two run_megatron.sh lines below take"),
@@ -246,8 +243,12 @@ def rule_for(item: Item) -> Rule | None:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "PATH": f"{ROOT}/.venv/bin:"
-            + os.environ.get("PATH", "")}
+    """A shell after ``source .venv/bin/activate`` (the README's quick start), the venv that runs these tests:
+    its bin first on PATH and nothing else, so a line runs as written (no PYTHONPATH a user would not have)."""
+    venv = Path(sys.executable).parent
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    return {**env, "VIRTUAL_ENV": str(venv.parent), "OMP_NUM_THREADS": "1",
+            "PATH": f"{venv}:" + os.environ.get("PATH", "")}
 
 
 @functools.cache
