@@ -60,18 +60,54 @@ def load_spec(name_or_path: str) -> ModelSpec:
             raise ValueError(f"--model {name_or_path!r}: not a shipped config; expected one of {names} or a path "
                              f"to a JSON file of the same form (dsp_plugin/dryrun/configs/)")
         text, name = resources.files(__package__).joinpath("configs", f"{name_or_path}.json").read_text(), name_or_path
-    data = json.loads(text)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--model {name_or_path}: not valid JSON ({exc}); expected a file of the form of "
+                         f"dsp_plugin/dryrun/configs/*.json") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--model {name_or_path}: a JSON {type(data).__name__}; expected an object of the form of "
+                         f"dsp_plugin/dryrun/configs/*.json")
     family = data.get("family")
     if family not in ("diffusers", "megatron"):
         raise ValueError(f"{name}: family={family!r}; expected 'diffusers' or 'megatron'")
+    missing = [f"{key!r} ({_WHAT[key]})" for key, fields in _REQUIRED.items()
+               if not isinstance(data.get(key), dict if fields else list)]
+    if missing:  # every missing key at once, named with what it must hold
+        raise ValueError(f"--model {name_or_path}: missing or malformed {', '.join(missing)}; expected the form "
+                         f"of dsp_plugin/dryrun/configs/*.json")
+    absent = [f"{key}.{f} ({_WHAT[key]})" for key, fields in _REQUIRED.items() for f in fields if f not in data[key]]
+    if absent:
+        raise ValueError(f"--model {name_or_path}: missing {', '.join(absent)}; expected the form of "
+                         f"dsp_plugin/dryrun/configs/*.json")
     vae, textenc, geometry = data["vae"], data["text"], data["geometry"]
-    return ModelSpec(name=name, family=family, cls=data.get("class", ""), config=data.get("config", {}),
-                     flags=tuple(data.get("flags", ())), patch=tuple(data["patch"]),
-                     vae_temporal=int(vae["temporal"]), vae_spatial=int(vae["spatial"]),
-                     vae_causal=bool(vae["causal"]), latent_channels=int(vae["channels"]),
-                     text_tokens=int(textenc["tokens"]), text_dim=int(textenc["dim"]),
-                     frames=int(geometry["frames"]), height=int(geometry["height"]),
-                     width=int(geometry["width"]), source=str(data.get("source", "")))
+    try:
+        patch = tuple(int(p) for p in data["patch"])
+        if len(patch) != 3 or min(patch) < 1:
+            raise ValueError
+        spec = ModelSpec(name=name, family=family, cls=data.get("class", ""), config=data.get("config", {}),
+                         flags=tuple(data.get("flags", ())), patch=patch,  # type: ignore[arg-type]
+                         vae_temporal=int(vae["temporal"]), vae_spatial=int(vae["spatial"]),
+                         vae_causal=bool(vae["causal"]), latent_channels=int(vae["channels"]),
+                         text_tokens=int(textenc["tokens"]), text_dim=int(textenc["dim"]),
+                         frames=int(geometry["frames"]), height=int(geometry["height"]),
+                         width=int(geometry["width"]), source=str(data.get("source", "")))
+        if min(spec.vae_temporal, spec.vae_spatial, spec.latent_channels, spec.text_tokens, spec.text_dim,
+               spec.frames, spec.height, spec.width) < 1:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ValueError(f"--model {name_or_path}: patch={data['patch']!r}, vae={vae!r}, text={textenc!r}, "
+                         f"geometry={geometry!r}; expected positive integers (patch: three; vae.causal: true or "
+                         f"false)") from None
+    return spec
+
+
+#: the keys a model file must hold (beside ``family``), with their fields and what they mean
+_REQUIRED: dict[str, tuple[str, ...]] = {"patch": (), "vae": ("temporal", "spatial", "causal", "channels"),
+                                         "text": ("tokens", "dim"), "geometry": ("frames", "height", "width")}
+_WHAT = {"patch": "the latent patch [t, h, w]",
+         "vae": "the VAE's compression: temporal, spatial, causal, and its latent channels",
+         "text": "the text encoder's tokens and dim", "geometry": "the default frames, height, width"}
 
 
 @dataclass(frozen=True)

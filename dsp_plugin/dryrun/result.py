@@ -36,13 +36,16 @@ class Setup:
     dtype: str = "bf16"
 
     def resolve(self) -> tuple[ModelSpec, Geometry]:
+        for flag, value in (("--frames", self.frames), ("--height", self.height), ("--width", self.width),
+                            ("--text-len", self.text_tokens), ("--batch", self.batch), ("--dsp", self.dsp),
+                            ("--tp", self.tp), ("--dp", self.dp)):  # None: the model's default
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{flag} {value}: expected a positive integer")
         spec = load_spec(self.model)
-        geometry = Geometry(self.frames or spec.frames, self.height or spec.height, self.width or spec.width,
-                            spec.text_tokens if self.text_tokens is None else self.text_tokens, self.batch)
+        geometry = Geometry(*(spec_value if value is None else value for value, spec_value in
+                              ((self.frames, spec.frames), (self.height, spec.height), (self.width, spec.width),
+                               (self.text_tokens, spec.text_tokens))), self.batch)
         geometry.latent(spec)  # refuses a size the VAE or the patching cannot take, naming it
-        for name in ("batch", "dsp", "tp", "dp"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)}: expected a positive integer")
         if self.recompute not in RECOMPUTE:
             raise ValueError(f"--recompute {self.recompute!r}: expected one of {RECOMPUTE}")
         if spec.family == "diffusers" and self.tp != 1:

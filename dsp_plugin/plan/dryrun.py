@@ -35,6 +35,38 @@ def _sweep_sizes(text: str) -> list[int]:
     return sizes
 
 
+def _positive_gib(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a positive number of GiB")
+    return value
+
+
+#: where --sweep writes its plot when --plot is not given
+DEFAULT_PLOT = "out/dryrun_sweep.png"
+
+
+def check_plot(path: str) -> Path:
+    """``--plot``: a format matplotlib writes, in a directory this user can write: checked before the sweep runs."""
+    from dsp_plugin.launch.paths import check_output_file
+
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise ValueError("--sweep draws its plot with matplotlib, which is not installed; expected "
+                         "pip install 'dsp_plugin[bench]'") from None
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    suffix = Path(path).suffix.lower().lstrip(".")
+    if suffix not in formats:
+        what = f".{suffix} files" if suffix else "a file without a suffix"
+        raise ValueError(f"--plot {path}: matplotlib cannot write {what}; expected a file ending in one of "
+                         f"{', '.join('.' + f for f in formats)}")
+    return check_output_file("--plot", path)  # OutputPathError (a ValueError) naming the path and the reason
+
+
 def parser() -> argparse.ArgumentParser:
     from dsp_plugin.dryrun.models import available
 
@@ -56,10 +88,10 @@ def parser() -> argparse.ArgumentParser:
                    help="Megatron models: plain DDP instead of --use-distributed-optimizer")
     p.add_argument("--recompute", default="off", choices=("off", "full"), help="activation recompute of every block")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per GPU for 'fits' (default 80)")
+    p.add_argument("--gpu-memory-gib", type=_positive_gib, default=80.0, help="memory per GPU for 'fits' (default 80)")
     p.add_argument("--calibration", help="measured rates for the step time (dsp_plugin/bench/calibration.py)")
     p.add_argument("--sweep", type=_sweep_sizes, help="dsp=1,2,4,8: one dry run per DSP size, a table and a plot")
-    p.add_argument("--plot", default="out/dryrun_sweep.png", help="where --sweep writes its plot")
+    p.add_argument("--plot", help=f"where --sweep writes its plot (default {DEFAULT_PLOT}); checked before the sweep")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     return p
 
@@ -77,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         setup.resolve()
         hw, rows = load(args.calibration)
+        if args.plot is not None and not args.sweep:
+            raise ValueError(f"--plot {args.plot}: only --sweep draws a plot; expected --sweep dsp=N1,N2,... "
+                             f"with it, or no --plot")
+        plot = check_plot(args.plot or DEFAULT_PLOT) if args.sweep else None
     except (ValueError, FileNotFoundError) as exc:
         print(f"dsp-dryrun: {exc}", file=sys.stderr)
         return 2
@@ -91,17 +127,24 @@ def main(argv: list[str] | None = None) -> int:
         if not runs:
             print("dsp-dryrun: " + "; ".join(refused), file=sys.stderr)
             return 2
-        plot = plot_sweep(runs, Path(args.plot), gpu_gib=args.gpu_memory_gib,
-                          title=f"{setup.model}: {runs[0].geometry.split(' ->')[0]}, "
-                                f"{runs[0].framework.split(':')[0]}, recompute {setup.recompute}")
-        if args.json:
-            print(json.dumps({"sweep": [r.as_dict() for r in runs], "refused": refused, "plot": str(plot)}))
+        assert plot is not None
+        if args.json:  # the table first: a plot that fails after all still leaves the numbers printed
+            print(json.dumps({"sweep": [r.as_dict() for r in runs], "refused": refused, "plot": str(plot)}),
+                  flush=True)
         else:
             print(f"{setup.model}, {runs[0].geometry}; {runs[0].framework.split(':')[0]}, recompute "
                   f"{setup.recompute}, dp {setup.dp}, tp {setup.tp}; per GPU, GiB; step on {hardware}\n")
             print(render_sweep(runs, gpu_gib=args.gpu_memory_gib))
             for line in refused:
                 print(f"cannot run: {line}")
+        try:
+            plot_sweep(runs, plot, gpu_gib=args.gpu_memory_gib,
+                       title=f"{setup.model}: {runs[0].geometry.split(' ->')[0]}, "
+                             f"{runs[0].framework.split(':')[0]}, recompute {setup.recompute}")
+        except OSError as exc:
+            print(f"dsp-dryrun: --plot {plot}: cannot be written ({exc}); the table above is complete", file=sys.stderr)
+            return 1
+        if not args.json:
             print(f"plot: {plot}")
         return 0
     try:
