@@ -18,6 +18,10 @@ DSP or DeepSpeed-Ulysses consumes it; the mode key only says which algorithm
 uses those ranks. Without the mode key nothing here applies and DeepSpeed runs
 unchanged.
 
+Every other top-level key is checked against the keys DeepSpeed itself reads
+(``known_keys``): ``"zero_optimisation"`` is refused with a did-you-mean, since
+DeepSpeed would ignore it and train without it.
+
 Every check below needs only the config and the world size, never a
 collective, so a bad config raises the same ``ValueError`` on every rank and
 no rank is left waiting in a rendezvous.
@@ -30,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dsp_plugin.deepspeed.known_keys import check_top_level_keys
 from dsp_plugin.topology import validate_sizes
 
 __all__ = ["COMM_DTYPES", "COMM_DTYPE_KEY", "MODES", "MODE_KEY", "SIZE_KEY", "ULYSSES_MESH_KEYS", "DSPSettings",
@@ -99,6 +104,8 @@ def parse_dsp_config(config: Mapping[str, Any], *, world_size: int | None = None
     if not isinstance(config, Mapping):
         raise TypeError(f"DeepSpeed config: expected a dict, got {type(config).__name__}")
     _refuse_near_misses(config)
+    # DeepSpeed's own keys (read from DeepSpeed): a near miss refused, any other unknown key warned about
+    check_top_level_keys(config, ours=(MODE_KEY, SIZE_KEY, COMM_DTYPE_KEY))
     if MODE_KEY not in config:
         if config.get(COMM_DTYPE_KEY) is not None:
             raise ValueError(f"DeepSpeed config: {COMM_DTYPE_KEY!r}: {config[COMM_DTYPE_KEY]!r} needs "
