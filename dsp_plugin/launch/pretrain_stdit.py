@@ -117,7 +117,8 @@ PROG = "dsp_plugin.launch.pretrain_stdit"
 def main() -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from dsp_plugin.megatron.compat import fail_on_silent_exit_in_load
+    from dsp_plugin.megatron.compat import (agree_on_query_groups, data_iterators_leave_rng_alone,
+                                            fail_on_silent_exit_in_load, reset_log_on_first_boundary)
     from dsp_plugin.megatron.cpu import cuda_is_real, cuda_shim
 
     with contextlib.ExitStack() as stack:
@@ -125,8 +126,11 @@ def main() -> None:
             stack.enter_context(cuda_shim(training=True))
         use_prebuilt_dataset_helpers()  # the megatron-core wheel has no Makefile for them
         fail_on_silent_exit_in_load()  # Megatron's loader sys.exit()s with status 0 on some errors
+        reset_log_on_first_boundary()  # --log-interval 1: every line its own iteration's loss (issue 48)
+        data_iterators_leave_rng_alone()  # a resume draws the dropout seeds the uninterrupted run drew
         install_flops_formula()  # throughput in this model's FLOPs, not the GPT formula
         args = parse_and_validate_args(extra_args_provider=extra_args_provider, args_defaults=ARGS_DEFAULTS)
+        agree_on_query_groups(args)  # rank 0 would change it alone at the first log: every save warned
         with argument_errors(PROG):   # one line per rank, exit 2, torchrun's error file names it
             fresh = check_load_path(args)  # --load of nothing is refused unless it is --save (auto-resume)
             if not cuda_is_real():
