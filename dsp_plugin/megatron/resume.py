@@ -33,15 +33,25 @@ def check_load_path(args: argparse.Namespace) -> str | None:
     every run of a job, the first included: with ``--load`` naming the ``--save``
     directory (or with ``--allow-fresh-start``) an empty directory starts from
     scratch, as in ``megatron.training``, and the returned line says so for the log.
+    ``--ckpt-step N`` (Megatron then loads ``iter_{N:07d}``, not the tracker's
+    iteration) is refused when that folder is missing, whatever the tracker says.
     Returns None when there is a checkpoint to load (or no ``--load``). Reads only
     files, so it raises alike on every rank before any collective.
     """
     load = getattr(args, "load", None)
     if not load:
         return None
-    tracker = os.path.join(load, "latest_checkpointed_iteration.txt")
     step = getattr(args, "ckpt_step", None)
-    if os.path.isfile(tracker) or (step is not None and os.path.isdir(os.path.join(load, f"iter_{step:07d}"))):
+    if step:  # Megatron loads iter_{step:07d} instead of the tracker's iteration (a step of 0: the tracker's)
+        folder = os.path.join(load, f"iter_{step:07d}")
+        if os.path.isdir(folder):
+            return None
+        held = sorted(n for n in os.listdir(load) if n.startswith("iter_")) if os.path.isdir(load) else []
+        raise ValueError(f"--ckpt-step {step}: {folder!r} does not exist (--load holds "
+                         f"{', '.join(held[-5:]) if held else 'no iter_* folder'}); Megatron would stop with "
+                         "FileNotFoundError after building the model. Expected the step of a checkpoint in --load, "
+                         "or no --ckpt-step (the tracker's latest)")
+    if os.path.isfile(os.path.join(load, "latest_checkpointed_iteration.txt")):
         return None
     save = getattr(args, "save", None)
     if save and os.path.realpath(save) == os.path.realpath(load):
