@@ -34,6 +34,7 @@ import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -157,7 +158,17 @@ atexit.register(close_pools)
 # --- the worker side -----------------------------------------------------------------------------------------
 
 
+def _leave_with_the_parent(parent: int) -> None:
+    """A pytest killed (CI's limit, ^C, a timeout signal) cannot ask its ranks to leave: they go by themselves,
+    even in the middle of a test body, as soon as the process that started them is gone."""
+    while True:
+        time.sleep(1)
+        if os.getppid() != parent:
+            os._exit(3)
+
+
 def _worker(rank: int, tasks: Any, results: Any, retiring: Any) -> None:
+    threading.Thread(target=_leave_with_the_parent, args=(os.getppid(),), daemon=True, name="pool-watchdog").start()
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 

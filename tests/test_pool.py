@@ -145,3 +145,29 @@ def test_a_failing_rank_s_traceback_reaches_the_pytest_report(tmp_path: Path) ->
     for line in ("rank 1 raised ValueError: planted failure on rank 1", "in a_distinctive_helper_name",
                  "Traceback (most recent call last)"):
         assert line in report, f"{line!r} is missing from pytest's report:\n{report}"
+
+
+_KILLED_PARENT = '''
+import os, sys
+sys.path.insert(0, sys.argv[1])
+from tests.distributed import run_distributed
+from tests.test_pool import _pid
+
+print(*run_distributed(_pid, 2), flush=True)
+os._exit(9)     # as pytest killed by CI's limit: no atexit, no close
+'''
+
+
+def test_the_ranks_leave_when_the_test_process_is_killed(tmp_path: Path) -> None:
+    log = tmp_path / "out.txt"
+    with log.open("w") as out:   # a file, not a pipe: a rank left behind would hold a pipe open
+        done = subprocess.run([sys.executable, "-c", _KILLED_PARENT, str(ROOT)], stdout=out, stderr=subprocess.STDOUT,
+                              timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    text = log.read_text()
+    assert done.returncode == 9, text[-3000:]
+    pids = [int(p) for p in text.split("\n")[-2].split()]
+    assert len(pids) == 2, text[-3000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.2)
+    assert not any(Path(f"/proc/{p}").exists() for p in pids), f"pool ranks {pids} outlived the killed test process"
