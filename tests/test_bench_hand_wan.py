@@ -1,5 +1,6 @@
-"""The overhead bench's A/B baseline (``dsp_plugin.bench.hand_wan``): the Wan made parallel by hand computes what
-the plan's Wan and one process compute, so the A/B compares equal work; and the A/B runs and reports.
+"""The costs section's A/B baseline (``dsp_plugin.bench.wan.hand_parallel``): the Wan made parallel by hand computes
+what the plan's Wan and one process compute, so the A/B compares equal work; and the A/B (``bench.costs``) runs and
+reports.
 
 Nothing here reads a time: timings are the bench's output, never a test's pass condition.
 """
@@ -19,8 +20,7 @@ SIZE = (2, 4, 8, 4, 8)  # the quick Wan: 64 tokens, 4 heads; 4 frames over 2 ran
 
 def _outputs(rank: int, world_size: int, size: tuple[int, ...]) -> dict[str, float]:
     import dsp_plugin
-    from dsp_plugin.bench.hand_wan import hand_parallel
-    from dsp_plugin.bench.wan import _setup
+    from dsp_plugin.bench.wan import _setup, hand_parallel
 
     reference, batch = _setup(size)
     group = torch.distributed.group.WORLD  # no topology installed: the plan and the hand get the group explicitly
@@ -45,10 +45,10 @@ def test_hand_written_wan_computes_the_one_process_output() -> None:
 
 
 def test_against_hand_runs_and_prints_its_row() -> None:
-    from dsp_plugin.bench import hand_wan
+    from dsp_plugin.bench import costs
 
-    result = hand_wan.measure_against_hand(2, SIZE, rounds=2, per_round=1)
-    table = hand_wan.markdown(result)
+    result = costs.measure_against_hand(2, SIZE, rounds=2, per_round=1)
+    table = costs.ab_markdown(result)
     print(table)
     assert result["n"] == 2 and result["size"] == SIZE and result["rounds"] == 2
     assert 0 < result["plan_min_ms"] <= result["plan_ms"] and 0 < result["hand_min_ms"] <= result["hand_ms"]
@@ -58,17 +58,17 @@ def test_against_hand_runs_and_prints_its_row() -> None:
 
 
 def test_against_hand_times_a_training_step_too() -> None:
-    from dsp_plugin.bench import hand_wan
+    from dsp_plugin.bench import costs
 
-    result = hand_wan.measure_against_hand(2, SIZE, rounds=2, per_round=1, backward=True)
-    assert result["backward"] and "forward + backward CPU ms" in hand_wan.markdown(result)
+    result = costs.measure_against_hand(2, SIZE, rounds=2, per_round=1, backward=True)
+    assert result["backward"] and "forward + backward CPU ms" in costs.ab_markdown(result)
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device='cuda:0'; expected 'cpu' or a CUDA device"):
-            hand_wan.measure_against_hand(2, SIZE, device="cuda:0")
+            costs.measure_against_hand(2, SIZE, device="cuda:0")
 
 
 def test_the_paired_estimate_has_an_interval_around_it() -> None:
-    from dsp_plugin.bench.hand_wan import median_interval
+    from dsp_plugin.bench.costs import median_interval
 
     assert median_interval([0.5] * 30) == (0.5, 0.5)
     values = [float(v % 7) for v in range(41)]  # median 3
@@ -80,18 +80,18 @@ def test_the_paired_estimate_has_an_interval_around_it() -> None:
 def test_against_hand_on_gloo_ranks_and_against_itself() -> None:
     """The A/B on the bench's own setting (2 gloo ranks, real collectives) and its A/A control (the plan's Wan
     against a second copy of itself) run and report the paired estimate with its interval."""
-    from dsp_plugin.bench import hand_wan
+    from dsp_plugin.bench import costs
 
-    result = hand_wan.measure_against_hand(2, SIZE, rounds=2, per_round=1, world="gloo")
-    table = hand_wan.markdown(result)
+    result = costs.measure_against_hand(2, SIZE, rounds=2, per_round=1, world="gloo")
+    table = costs.ab_markdown(result)
     assert result["world"] == "gloo" and "| 2, 4 x 8, 64 | 2, 2 |" in table and "N (gloo)" in table
     low, high = result["paired_interval"]
     assert low <= result["paired_share"] <= high
-    control = hand_wan.markdown(hand_wan.measure_against_hand(2, SIZE, rounds=2, per_round=1, control=True))
+    control = costs.ab_markdown(costs.measure_against_hand(2, SIZE, rounds=2, per_round=1, control=True))
     assert "a second plan copy (A/A)" in control and "N (fake)" in control
     assert not torch.distributed.is_initialized()
     with pytest.raises(ValueError, match="world='nccl' on device='cpu'; expected 'fake', or 'gloo'"):
-        hand_wan.measure_against_hand(2, SIZE, world="nccl")
+        costs.measure_against_hand(2, SIZE, world="nccl")
 
 
 def test_a_fake_world_learns_what_a_real_one_does() -> None:

@@ -3,8 +3,8 @@
 ``torch.compile`` of a parallelized model traces the plan's hooks, and every Python object they read becomes a
 guard that torch evaluates before each compiled call (most in C++; an identity check between two paths to one
 object is a Python lambda). On an H200 the guards were most of what the compiled plan Wan costs over the
-hand-written one (docs/benchmarks.md, sixth round). Two reads cost hundreds of guards and are left out while
-tracing (``plan/runtime.py``, ``plan/args.py``):
+hand-written one (CHANGELOG.md, older measurements, sixth round). Two reads cost hundreds of guards and are left
+out while tracing (``plan/runtime.py``, ``plan/args.py``):
 
 - ``dispatch.install``, which compares diffusers' attention registry with what it left there: a guard on every
   backend and every constraint check (~390 on the tiny Wan);

@@ -6,7 +6,8 @@
     python -m dsp_plugin.bench --scale-only --calibration measured.json
     python -m dsp_plugin.bench --wan-only --nproc 2   # only the full-3D section: Wan + the mixed model
     python -m dsp_plugin.bench --no-wan         # leave the Wan row out
-    python -m dsp_plugin.bench --costs-only --quick --nproc 2   # only issue 28's costs (a few minutes)
+    python -m dsp_plugin.bench --costs --quick --nproc 2   # only the costs (a few minutes; alias --costs-only)
+    python -m dsp_plugin.bench --costs --device cuda:0    # only the runtime's A/B against the hand-written Wan, there
     python -m dsp_plugin.bench.mixed            # only the mixed-model table (factorized + full blocks)
 
 The ranks run on NCCL, one GPU each, when CUDA is present, else on gloo and the CPU
@@ -19,10 +20,10 @@ Ulysses on the same model and inputs, counts, equality and the time ratio of
 one run) as ``wan_n{N}.md`` and the mixed model's table
 (``dsp_plugin.bench.mixed``: DSP switches + head switch against Ulysses
 everywhere, in bytes) as ``mixed_n{N}.md``, and last the costs section
-(``dsp_plugin.bench.costs``: eager vs ``torch.compile`` step time, bf16 vs FP8
-bytes and time per switch and head switch, the plan runtime's share of a Wan
-step) as ``costs_n{N}.md`` and ``.json``. Progress goes to stderr; the tables
-to stdout.
+(``dsp_plugin.bench.costs``: bf16 vs FP8 bytes and time per switch and head
+switch; what the plan runtime costs a Wan step, against the Wan made parallel by
+hand and by its clock; its Python calls per step eager and compiled) as
+``costs_n{N}.md`` and ``.json``. Progress goes to stderr; the tables to stdout.
 """
 
 from __future__ import annotations
@@ -55,10 +56,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--wan-only", action="store_true",
                         help="only the full-3D section: Wan (our plan against diffusers' Ulysses) and the mixed model")
     parser.add_argument("--no-wan", action="store_true", help="leave the Wan row out")
-    parser.add_argument("--costs-only", action="store_true",
-                        help="only the costs section: eager vs compiled, bf16 vs FP8 on the wire, the plan runtime's "
-                             "share of a Wan step (with --quick: a few minutes on 2 CPU cores)")
+    parser.add_argument("--costs", "--costs-only", dest="costs", action="store_true",
+                        help="only the costs section: bf16 vs FP8 on the wire, what the plan runtime costs a Wan step "
+                             "(with --quick: a few minutes on 2 CPU cores)")
     parser.add_argument("--no-costs", action="store_true", help="leave the costs section out")
+    parser.add_argument("--size", default=None, metavar="L,H,D,F,HW",
+                        help="with --costs: the Wan's layers, heads, head dim, latent frames, latent height = width")
+    parser.add_argument("--device", default="cpu",
+                        help="with --costs: a CUDA device runs only the A/B against the hand-written Wan, there "
+                             "(wall time; forward and training step)")
     parser.add_argument("--calibration", type=Path, default=None,
                         help=f"JSON of measured figures for the scale model (default: ${calibration.ENV}, "
                              f"else ./{calibration.DEFAULT_FILE} when present)")
@@ -71,8 +77,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--steps={args.steps}: the median needs at least 10 timed steps")
     if args.wan_only and (args.no_wan or args.scale_only):
         parser.error("--wan-only: runs only the Wan row and the mixed model; it excludes --no-wan and --scale-only")
-    if args.costs_only and (args.wan_only or args.scale_only or args.no_costs):
-        parser.error("--costs-only: runs only the costs section; it excludes --wan-only, --scale-only and --no-costs")
+    if args.costs and (args.wan_only or args.scale_only or args.no_costs):
+        parser.error("--costs: runs only the costs section; it excludes --wan-only, --scale-only and --no-costs")
+    if (args.size is not None or args.device != "cpu") and not args.costs:
+        parser.error(f"--size={args.size}, --device={args.device}: expected with --costs only")
+    if args.size is not None:
+        given, args.size = args.size, tuple(int(v) for v in args.size.split(",") if v.strip().isdigit())
+        if len(args.size) != 5 or len(given.split(",")) != 5:
+            parser.error(f"--size={given}: expected 5 integers L,H,D,F,HW (layers, heads, head dim, latent "
+                         "frames, latent height = width), e.g. 4,12,16,8,16")
     args.methods = methods
     return args
 
@@ -80,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.costs_only:
+    if args.costs:
         written = _costs(args)
         print(f"\n[bench] wrote {', '.join(map(str, written))}", file=sys.stderr)
         return 0
@@ -155,13 +168,20 @@ def _full3d(args: argparse.Namespace, cfg: Any) -> list[Path]:
 
 
 def _costs(args: argparse.Namespace) -> list[Path]:
-    """Issue 28's costs section (``dsp_plugin.bench.costs``); returns the files written."""
+    """The costs section (``dsp_plugin.bench.costs``); returns the files written."""
     from dsp_plugin.bench import costs
 
-    print(f"[bench] costs: eager vs compiled, bf16 vs FP8 on the wire, the plan runtime's share, on {args.nproc} "
-          "ranks", file=sys.stderr, flush=True)
-    result = costs.run(args.nproc, quick=args.quick, rounds=args.steps)
-    print(f"\n## Costs: compile, FP8 on the wire, the plan runtime\n\n{costs.markdown(result)}", flush=True)
+    if args.device != "cpu":  # the A/B alone, on the device: rank 0 of a fake world, wall time
+        tables = [costs.ab_markdown(costs.measure_against_hand(args.nproc, args.size, rounds=args.steps or 30,
+                                                               device=args.device, backward=backward))
+                  for backward in (False, True)]
+        print("\n## The plan runtime's cost against the Wan made parallel by hand\n\n" + "\n\n".join(tables))
+        (args.out / "costs_device.md").write_text("\n\n".join(tables) + "\n")
+        return [args.out / "costs_device.md"]
+    print(f"[bench] costs: FP8 on the wire, what the plan runtime costs, on {args.nproc} ranks", file=sys.stderr,
+          flush=True)
+    result = costs.run(args.nproc, quick=args.quick, rounds=args.steps, size=args.size)
+    print(f"\n## Costs: FP8 on the wire, the plan runtime\n\n{costs.markdown(result)}", flush=True)
     return costs.write(result, args.out)
 
 

@@ -16,6 +16,12 @@ Per N and shard size, the median over ``--reps`` interleaved repetitions of:
   ``switch_apply(chunks=2)`` (the next chunk's all-to-all in flight while a chunk computes);
 - ``old switch``: the ``dynamic_switch`` of the file given by ``--compare-with``.
 
+``wire`` (a part of ``python -m dsp_plugin.bench --costs``): bf16 against FP8 on the wire (``comm_dtype="fp8"``,
+``comm.payload``: e4m3 plus a float32 scale per chunk), bytes sent by rank 0 per call (``CommAccounting``: the
+``uint8`` buffer sent) and time per call, for ``dynamic_switch`` of a bf16 ``[B, T/N, S, D]`` shard and the head
+switch (``to_heads`` of q, k, v packed, ``from_heads`` of the output) of bf16 ``[B, L/N, H, Dh]``. On the CPU the
+cast and scale cost more than the bytes they save over gloo's loopback; the bytes are what a slow link pays.
+
 On a CPU machine these are gloo numbers: they show copies and overheads relative to the
 bare collective on the same machine in the same run, not GPU speed. With CUDA present the
 ranks run on NCCL, one GPU each (``dsp_plugin.backend``; ``DSP_BACKEND=gloo`` forces the
@@ -38,6 +44,9 @@ import torch.distributed as dist
 from dsp_plugin.spawn import spawn
 
 HIDDEN, SPATIAL, BATCH = 64, 256, 2
+#: per rank, the wire rows' switch shard [B, T/N, S, D] (bf16: 4 MiB, quick 1 MiB) and q, k, v [B, L/N, H, Dh]
+WIRE, WIRE_QUICK = (2, 4, 256, 1024), (2, 2, 128, 1024)
+HEADS, HEADS_QUICK = (1, 2048, 16, 64), (1, 512, 16, 64)
 
 
 def _load(path: str | None) -> Any:
@@ -104,6 +113,70 @@ def _worker(rank: int, n: int, mib: int, reps: int, compare_path: str | None) ->
                 synchronize(device)
                 times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()} | {"bytes": x.numel() * 4}
+
+
+def _wire_worker(rank: int, n: int, switch: tuple[int, ...], heads: tuple[int, ...], reps: int) -> dict[str, Any]:
+    from dsp_plugin.log import quiet_third_party
+
+    quiet_third_party()
+    from dsp_plugin.accounting import CommAccounting
+    from dsp_plugin.comm import dynamic_switch
+    from dsp_plugin.head_switch import from_heads, to_heads
+    from dsp_plugin.topology import Topology, set_topology
+
+    set_topology(Topology.world())
+    g = torch.Generator().manual_seed(rank)
+    b, t_local, s, d = switch
+    x = torch.randn(b, t_local, s, d, generator=g).to(torch.bfloat16)
+    hb, l_local, h, dh = heads
+    q, k, v = (torch.randn(hb, l_local, h, dh, generator=g).to(torch.bfloat16) for _ in range(3))
+    o = torch.randn(hb, l_local * n, h // n, dh, generator=g).to(torch.bfloat16)
+    cases: dict[str, Callable[[], object]] = {}
+    for wire, dtype in (("bf16", None), ("fp8", "fp8")):
+        cases[f"dynamic_switch/{wire}"] = lambda dtype=dtype: dynamic_switch(x, 1, 2, global_len=t_local * n,
+                                                                            comm_dtype=dtype)
+        cases[f"to_heads/{wire}"] = lambda dtype=dtype: to_heads(q, k, v, seq_dim=1, head_dim=2,
+                                                               global_len=l_local * n, comm_dtype=dtype)
+        cases[f"from_heads/{wire}"] = lambda dtype=dtype: from_heads(o, seq_dim=1, head_dim=2, global_len=l_local * n,
+                                                                   heads=h, comm_dtype=dtype)
+    out: dict[str, Any] = {}
+    with torch.no_grad():
+        for key, fn in cases.items():
+            fn()                                   # warm-up and the first call's checks
+            with CommAccounting(activations=False) as acct:
+                fn()
+            out[key] = {"bytes": acct.bytes_sent("all_to_all"), "count": acct.count("all_to_all"), "times": []}
+        keys = list(cases)
+        for r in range(reps):
+            for key in keys[r % len(keys):] + keys[:r % len(keys)]:   # interleaved
+                start = time.perf_counter()
+                cases[key]()
+                out[key]["times"].append(time.perf_counter() - start)
+    return out
+
+
+def wire(n: int, switch: tuple[int, ...], heads: tuple[int, ...], reps: int) -> dict[str, Any]:
+    """Per op (``dynamic_switch``, ``to_heads``, ``from_heads``): rank 0's bytes per call and all-to-alls, bf16 and
+    FP8, the medians of the slowest rank's time per call, and the FP8/bf16 time ratio taken call by call."""
+    per_rank = spawn(_wire_worker, n, switch, heads, reps, timeout=900, collective_timeout_s=300)
+    out: dict[str, Any] = {"switch_shape": switch, "heads_shape": heads}
+    for op in ("dynamic_switch", "to_heads", "from_heads"):
+        bf16, fp8 = ([max(ts) for ts in zip(*(r[f"{op}/{w}"]["times"] for r in per_rank))] for w in ("bf16", "fp8"))
+        out[op] = {"bf16_bytes": per_rank[0][f"{op}/bf16"]["bytes"], "fp8_bytes": per_rank[0][f"{op}/fp8"]["bytes"],
+                   "all_to_alls": per_rank[0][f"{op}/fp8"]["count"], "bf16_s": statistics.median(bf16),
+                   "fp8_s": statistics.median(fp8), "time_ratio": statistics.median(f / b for f, b in zip(fp8, bf16))}
+    return out
+
+
+def wire_rows(result: dict[str, Any]) -> list[str]:
+    """``wire``'s rows in the costs table (``| cost | A | B | B / A | notes |``)."""
+    shapes = {"dynamic_switch": f"[B, T/N, S, D] = {list(result['switch_shape'])} bf16, S(T) -> S(S)",
+              "to_heads": f"q, k, v [B, L/N, H, Dh] = {list(result['heads_shape'])} bf16 each, packed",
+              "from_heads": "the output back, [B, L, H/N, Dh] bf16"}
+    return [f"| {op}: bf16 (A) vs FP8 (B) on the wire, {shapes[op]} | {r['bf16_bytes']:,} B, {1e3 * r['bf16_s']:.2f} "
+            f"ms | {r['fp8_bytes']:,} B, {1e3 * r['fp8_s']:.2f} ms | bytes {r['fp8_bytes'] / r['bf16_bytes']:.3f}, "
+            f"time {r['time_ratio']:.2f} | bytes sent by rank 0 per call ({r['all_to_alls']} all-to-all) |"
+            for op, r in ((op, result[op]) for op in shapes)]
 
 
 def main(argv: list[str] | None = None) -> None:

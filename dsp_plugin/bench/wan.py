@@ -23,21 +23,26 @@ chunks the flat token sequence; both gather after ``proj_out``. The quick and
 default shapes have frames and heads divisible by 2 and 4, the two ways' bytes
 are then equal; only the number of all-to-alls (2 against 4 per layer) and
 the copies around them differ.
+
+Also here: one step of the bench's Wan (``wan_step``) and the same Wan made parallel by hand
+(``hand_parallel``), the baseline of ``bench.costs``' A/B of what the plan runtime costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from dsp_plugin.spawn import spawn
 
-__all__ = ["QUICK", "ROUNDS", "SIZE", "main", "markdown", "wan_row"]
+__all__ = ["QUICK", "ROUNDS", "SIZE", "hand_parallel", "main", "markdown", "wan_row", "wan_step"]
 
 #: (layers, heads, head_dim, frames, height = width of the latents); patch (1, 2, 2)
 QUICK = (2, 4, 8, 4, 8)    # 4 x 4 x 4 = 64 tokens, hidden 32
@@ -55,6 +60,57 @@ def _setup(size: tuple[int, ...]) -> tuple[Any, tuple[torch.Tensor, ...]]:
     batch = (torch.randn(1, 4, frames, hw, hw, generator=g), torch.tensor([500]),
              torch.randn(1, 7, 16, generator=g))
     return model, batch
+
+
+def wan_step(model: Any, batch: tuple[torch.Tensor, ...], mode: str) -> None:
+    """One step of the bench's Wan: ``"forward"`` under ``no_grad`` (a denoising step), else forward + backward."""
+    if mode == "forward":
+        with torch.no_grad():
+            model(*batch, return_dict=False)
+        return
+    x = batch[0].clone().requires_grad_(True)
+    model(x, *batch[1:], return_dict=False)[0].square().mean().backward()
+
+
+def hand_parallel(reference: Any, size: tuple[int, ...], group: Any = None) -> tuple[Any, Any]:
+    """A copy of the bench's Wan (``bench.wan._setup(size)``'s) parallel by hand on ``group``, and the context its
+    forwards run in: ``rope``'s (cos, sin) and the first block's tokens ``split``, each self-attention ``to_heads``
+    -> diffusers' own backend -> ``from_heads`` (the text's cross-attention local), ``proj_out``'s output gathered."""
+    import diffusers.models.transformers.transformer_wan as wan
+
+    from dsp_plugin import gather, split
+    from dsp_plugin.comm import group_size
+    from dsp_plugin.head_switch import from_heads, to_heads
+
+    frames, hw, heads = size[3], (size[4] // 2) ** 2, size[1]
+    n = group_size(group)
+    if frames % n:  # split cuts tokens evenly; the plan cuts whole frames: the same only when frames divide
+        raise ValueError(f"hand_parallel: {frames} latent frames over {n} ranks; expected a multiple of {n} (the "
+                         f"hand-written split cuts tokens evenly, the plan whole frames)")
+    model = copy.deepcopy(reference)
+    tokens = frames * hw
+    rope, first, proj_out = model.rope.forward, model.blocks[0].forward, model.proj_out.forward
+    model.rope.forward = lambda x: tuple(split(t, 1, group=group) for t in rope(x))
+    model.blocks[0].forward = lambda x, *args, **kwargs: first(split(x, 1, group=group), *args, **kwargs)
+    model.proj_out.forward = lambda x: gather(proj_out(x), 1, group=group, global_len=tokens)
+    original = wan.dispatch_attention_fn
+
+    def dispatch(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        if key.shape[1] != query.shape[1]:  # cross-attention to the text: local
+            return original(query, key, value, **kwargs)
+        q, k, v = to_heads(query, key, value, seq_dim=1, head_dim=2, group=group, global_len=tokens)
+        out = original(q, k, v, **kwargs)
+        return from_heads(out, seq_dim=1, head_dim=2, group=group, global_len=tokens, heads=heads)
+
+    @contextlib.contextmanager
+    def running() -> Iterator[None]:
+        wan.dispatch_attention_fn = dispatch
+        try:
+            yield
+        finally:
+            wan.dispatch_attention_fn = original
+
+    return model, running
 
 
 def _account(model: Any, batch: tuple[torch.Tensor, ...], expected: torch.Tensor) -> dict[str, Any]:

@@ -3,9 +3,9 @@
 ``comm_dtype="fp8"`` halves a bf16 switch's bytes; what it adds is ``dsp_plugin.comm.payload.encode`` (per
 chunk: amax, scale, cast to e4m3, pack with the float32 scale) before the all-to-all and ``decode`` after.
 This times both, eager and under ``torch.compile`` (Inductor fuses the cast), on the bench's switch shard
-(``dsp_plugin.bench.costs.SWITCH``: bf16 [2, 4, 256, 1024], 4 MiB, in N chunks for N ranks), beside the
+(``dsp_plugin.bench.switch.WIRE``: bf16 [2, 4, 256, 1024], 4 MiB, in N chunks for N ranks), beside the
 bf16 path's own pack (a contiguous copy of the same bytes). One process, no collective: the wire time it
-saves depends on the interconnect (bytes per switch: ``python -m dsp_plugin.bench --costs-only``).
+saves depends on the interconnect (bytes per switch: ``python -m dsp_plugin.bench --costs``).
 
     python scripts/gpu_check/fp8_payload.py            # cuda:0; SKIP without CUDA
     python scripts/gpu_check/fp8_payload.py --device cpu
@@ -50,11 +50,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         skip("no CUDA device")
-    from dsp_plugin.bench.costs import SWITCH
+    from dsp_plugin.bench.switch import WIRE
     from dsp_plugin.comm import payload
 
     device = torch.device(args.device)
-    x = torch.randn(*SWITCH, device=device, dtype=torch.bfloat16)
+    x = torch.randn(*WIRE, device=device, dtype=torch.bfloat16)
     fmt = torch.float8_e4m3fn
     print(f"| N | chunk MiB | bf16 pack us | FP8 encode us | FP8 decode us | encode compiled us | decode compiled us "
           f"| max rel err |\n|{' --- |' * 8}")
