@@ -11,6 +11,10 @@ calls:
     2. agrees on a per-save id (rank 0's, one tiny all-gather) and saves under
        the new tag ``step{step}-{id}``, with the id in the client state;
        and the ``universal_checkpoint_info`` ``ds_to_universal`` requires;
+       each rank also writes its RNG states (``dsp_rng_rank{r}.pt``: torch's CPU
+       generator, the current CUDA device's, ``numpy.random``, ``random``), which
+       DeepSpeed does not keep: the noise, timesteps and dropout masks a training
+       step draws after a resume are those the uninterrupted run drew;
     3. each rank hashes its share of the tag's files (blake2b) into
        ``dsp_manifest_rank{r}.json``; after every rank has written, rank 0
        writes ``latest`` (atomically): an interrupted save never becomes latest.
@@ -20,7 +24,10 @@ calls:
     byte, a directory that does not exist, one without ``latest``, a tag without
     model states, a tag without manifests, manifests of different saves, and any
     file whose bytes differ from its save's manifest; then loads with DeepSpeed
-    and checks the client state's id against the manifests.
+    and checks the client state's id against the manifests. Each rank restores
+    its RNG states from the save of the same rank when the world size is the
+    saving one (``load_rng=False``: not at all); at another world size nothing
+    maps one rank's draws onto another's, and rank 0 says they were not restored.
 """
 
 from __future__ import annotations
@@ -38,12 +45,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dsp_plugin import rng
 from dsp_plugin.deepspeed.comm import all_gather_rows
+from dsp_plugin.log import get_logger
 
 __all__ = ["SAVE_ID_KEY", "CheckpointError", "check_load_dir", "check_save_dir", "load", "save"]
 
 SAVE_ID_KEY = "dsp_save_id"
 _MANIFEST = "dsp_manifest_rank{}.json"
+_RNG = "dsp_rng_rank{}.pt"
 
 
 class CheckpointError(RuntimeError):
@@ -98,6 +108,8 @@ def save(engine: Any, save_dir: str | os.PathLike, *, step: int, client_state: d
     state = dict(client_state or {}, **{SAVE_ID_KEY: save_id}, **_universal_info())
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
+        (path / tag).mkdir(parents=True, exist_ok=True)
+        torch.save(rng.states(device), path / tag / _RNG.format(rank))  # before the save's closing barrier
         engine.save_checkpoint(str(path), tag=tag, client_state=state, save_latest=False)  # ends with a barrier
         files = _files(path / tag)
         mine = {str(f.relative_to(path / tag)): _hash(f) for i, f in enumerate(files) if i % world == rank}
@@ -188,12 +200,30 @@ def check_load_dir(load_dir: str | os.PathLike) -> tuple[str, str]:
     return tag, records[0]["save_id"]
 
 
-def load(engine: Any, load_dir: str | os.PathLike) -> dict[str, Any]:
-    """Check ``load_dir`` (``check_load_dir``), load it with DeepSpeed, return the client state."""
+def load(engine: Any, load_dir: str | os.PathLike, *, load_rng: bool = True) -> dict[str, Any]:
+    """Check ``load_dir`` (``check_load_dir``), load it with DeepSpeed, restore this rank's RNG states
+    (unless ``load_rng=False``), return the client state."""
     tag, save_id = check_load_dir(load_dir)
     _, client = engine.load_checkpoint(str(load_dir), tag=tag)
     if client is None or client.get(SAVE_ID_KEY) != save_id:
         found = None if client is None else client.get(SAVE_ID_KEY)
         raise CheckpointError(f"checkpoint {str(Path(load_dir) / tag)!r}: the model states say save {found}, "
                               f"the manifests {save_id}; refusing a mix of saves")
+    if load_rng:
+        _load_rng(Path(load_dir) / tag, engine)
     return client
+
+
+def _load_rng(tag_dir: Path, engine: Any) -> None:
+    """This rank's RNG states from the same rank's file, when the checkpoint was saved at this world size."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    saved_world = json.loads((tag_dir / _MANIFEST.format(0)).read_text()).get("world_size", world)
+    rng_file = tag_dir / _RNG.format(rank)
+    if saved_world != world or not rng_file.is_file():
+        why = f"it was saved by {saved_world} ranks, this run has {world}" if saved_world != world else \
+            f"it holds no {_RNG.format(rank)} (saved before they were kept)"
+        get_logger(__name__).warning("checkpoint %s: RNG states not restored (%s): the random draws after the "
+                                     "resume are not the uninterrupted run's", tag_dir, why)   # rank 0 prints
+        return
+    device = torch.device(engine.device) if hasattr(engine, "device") else torch.device("cpu")
+    rng.restore(torch.load(rng_file, map_location="cpu", weights_only=True), device)
