@@ -51,7 +51,7 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.in
 _MAX_DIMS = 12
 _MSG_BYTES = 320
 _HEADER = ("op", "dtype", "ndim", "cur", "tgt", "global_len", "local_len", "group_size", "group_hash", "device",
-           "replicated", "wire")
+           "replicated", "wire", "partial_grad")
 LENGTH = 1 + len(_HEADER) + _MAX_DIMS + 1 + _MSG_BYTES // 8   # int64 words
 _MAGIC = 0x44535031  # "DSP1"
 MAGIC = _MAGIC
@@ -231,17 +231,18 @@ class CallFingerprint:
     error: str = ""   # this rank's own error, raised on every rank
     replicated: int = -1  # tokens every rank holds whole beside its shard (joint attention's text), -1 if none
     wire: int = 0     # the payload's wire format (``wire_code``): 0 is the activation's own dtype
+    partial_grad: int = 0  # a gather's backward: 0 this rank's chunk, 1 a reduce-scatter (``partial_grad=True``)
 
     def signature(self) -> tuple[object, ...]:
         return (self.op, self.dtype, self.shape, self.cur, self.tgt, self.global_len, self.local_len,
-                self.group_size, self.group_hash, self.device, self.replicated, self.wire)
+                self.group_size, self.group_hash, self.device, self.replicated, self.wire, self.partial_grad)
 
     def encode(self) -> list[int]:
         msg = self.error.encode()[:_MSG_BYTES].ljust(_MSG_BYTES, b"\0")
         dtype = _DTYPES.index(self.dtype) if self.dtype in _DTYPES else (-1 if self.dtype is None else 99)
         header = [_OPS.index(self.op), dtype, len(self.shape), self.cur, self.tgt, self.global_len,
                   self.local_len, self.group_size, self.group_hash, {"cpu": 0, "cuda": 1}.get(self.device, 2),
-                  self.replicated, self.wire]
+                  self.replicated, self.wire, self.partial_grad]
         shape = list(self.shape[:_MAX_DIMS]) + [-2] * (_MAX_DIMS - len(self.shape[:_MAX_DIMS]))
         words = [int.from_bytes(msg[i:i + 8], "little", signed=True) for i in range(0, _MSG_BYTES, 8)]
         return [_MAGIC, *header, *shape, len(self.error.encode()[:_MSG_BYTES]), *words]
@@ -323,7 +324,8 @@ def _describe(field: str, values: list[object], cur: int) -> str:
              "op": "the primitive", "local_len": "the local length",
              "replicated": "the count of replicated tokens (held whole by every rank beside its shard, e.g. the "
                            "text of joint attention)",
-             "wire": "the wire format (comm_dtype; forward/gradient per tensor)"}
+             "wire": "the wire format (comm_dtype; forward/gradient per tensor)",
+             "partial_grad": "partial_grad (1: the backward reduce-scatters, 0: it keeps this rank's chunk)"}
     if field == "wire":
         by_rank = ", ".join(f"{describe_wire(int(v))} on rank {r}" for r, v in enumerate(values))  # type: ignore[arg-type]
     return f"{names.get(field, field)} is {by_rank}"
@@ -349,8 +351,8 @@ def judge(op: str, table: list[list[int]], ranks: Sequence[int], chunk_sizes) ->
         raise CrossRankMismatch(f"{op}: rank(s) {[r for r, _ in failed]} of group {list(ranks)} rejected their "
                                 f"input before the collective, so every rank stops here. {detail}")
     cur = int(rows[0]["cur"])
-    for field in ("op", "group_hash", "group_size", "dtype", "device", "cur", "tgt", "replicated", "wire", "shape",
-                  "global_len"):
+    for field in ("op", "group_hash", "group_size", "dtype", "device", "cur", "tgt", "replicated", "wire",
+                  "partial_grad", "shape", "global_len"):
         values = [row[field] for row in rows]
         if any(v != values[0] for v in values):
             if field == "op":

@@ -95,7 +95,8 @@ def _exchange_device(x: object, group: dist.ProcessGroup) -> torch.device:
 
 
 def _agree(name: str, x: object, *, cur: int, tgt: int, known_len: int | None, group: dist.ProcessGroup,
-           n: int, rank: int, error: Exception | None, replicated: int = -1, wire: int = 0) -> int:
+           n: int, rank: int, error: Exception | None, replicated: int = -1, wire: int = 0,
+           partial_grad: bool = False) -> int:
     """Agree with the group before the collective; return the full length of dim ``cur`` (-1 if none).
 
     ``error`` is this rank's own argument error: it is raised after the
@@ -103,7 +104,8 @@ def _agree(name: str, x: object, *, cur: int, tgt: int, known_len: int | None, g
     ``replicated``: tokens the call carries whole on every rank beside the shard
     (the head switch's joint attention), compared across ranks; ``wire``: the payload's format
     (``checks.wire_code``), compared too (an FP8 rank and a bf16 rank would send buffers of different
-    sizes in the same all-to-all). Without a check
+    sizes in the same all-to-all); ``partial_grad``: a gather's backward (a reduce-scatter or none), compared
+    too (a rank that reduce-scatters in backward would wait for peers that do not). Without a check
     and with the length known, this costs nothing.
     """
     tensor = x if isinstance(x, torch.Tensor) and error is None else None
@@ -116,7 +118,8 @@ def _agree(name: str, x: object, *, cur: int, tgt: int, known_len: int | None, g
         op=name, dtype=None if tensor is None else tensor.dtype, shape=tuple(shape), cur=cur, tgt=tgt,
         global_len=-1 if known_len is None else known_len, local_len=local, group_size=n,
         group_hash=checks.group_hash(ranks), device="cpu" if tensor is None else tensor.device.type,
-        error="" if error is None else f"{type(error).__name__}: {error}", replicated=replicated, wire=wire)
+        error="" if error is None else f"{type(error).__name__}: {error}", replicated=replicated, wire=wire,
+        partial_grad=int(partial_grad))
     if checks.needs_check(fingerprint) or (cur >= 0 and known_len is None):
         table = _exchange(fingerprint.encode(), _exchange_device(x, group), group, n)
         try:

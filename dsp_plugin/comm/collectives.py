@@ -72,6 +72,14 @@ def _all_gather_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.Process
 
 
 @_naming_peers
+def _reduce_scatter_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    """``out`` = this rank's block of ``inp`` (``n`` equal blocks along dim 0) summed over ``group``."""
+    # torch 2.13 names it reduce_scatter_single, like all_gather_single (the old name warns)
+    scatter_fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter_fn(out, inp, group=group)
+
+
+@_naming_peers
 def all_to_all_single(recv: torch.Tensor, send: torch.Tensor, *, recv_splits: list[int] | None,
                       send_splits: list[int] | None, group: dist.ProcessGroup | None,
                       async_op: bool = False) -> Any:
@@ -161,3 +169,10 @@ def traced_all_gather(send: torch.Tensor, *, group: dist.ProcessGroup) -> torch.
     from torch.distributed import _functional_collectives as funcol
 
     return funcol.all_gather_tensor(send, 0, group)
+
+
+def traced_reduce_scatter(send: torch.Tensor, *, group: dist.ProcessGroup) -> torch.Tensor:
+    """``reduce_scatter_tensor`` (sum) along dim 0, without autograd (the caller routes the gradient itself)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    return funcol.reduce_scatter_tensor(send, "sum", 0, group)

@@ -13,13 +13,21 @@ primitive          placement       collective                backward
 =================  ==============  ========================  ==================
 split              R    -> S(t)    none (local chunk)        gather
 gather             S(c) -> R       one all_gather            split
+gather(partial_    S(c) -> R       one all_gather            reduce_scatter
+  grad=True)
 dynamic_switch     S(c) -> S(t)    one all_to_all_single     switch S(t)->S(c)
 =================  ==============  ========================  ==================
 
-Gradient convention: each backward is the exact adjoint (the inverse primitive,
-no scaling). A rank's parameter gradient is therefore the partial sum over the
-tokens it holds, and the full gradient is the SUM over the DSP group
-(``reduce_gradients`` does that, and averages over data parallelism).
+Gradient convention: each backward is the inverse primitive, no scaling. A rank's
+parameter gradient is therefore the partial sum over the tokens it holds, and the
+full gradient is the SUM over the DSP group (``reduce_gradients`` does that, and
+averages over data parallelism). ``gather`` has two backwards, for its two kinds
+of consumer (megatron-core's ``tensor_parallel_output_grad``): work that every
+rank repeats on the full tensor gets the same gradient on every rank, and
+``split`` keeps this rank's chunk of it; work that each rank does on its own shard
+(a pair bias gathered for this rank's MSA rows) gets a *partial* gradient on each
+rank, and ``partial_grad=True`` reduce-scatters it: the sum over the group, this
+rank's chunk (the exact adjoint of the all_gather; its own backward gathers).
 
 Uneven lengths: a dim of length L on N ranks is cut like ``torch.tensor_split``
 (the first ``L % N`` ranks hold one more). The all-to-all takes uneven split
@@ -48,9 +56,10 @@ import torch.distributed as dist
 from dsp_plugin import checks, layout
 from dsp_plugin.comm import payload, traced
 from dsp_plugin.comm.agree import _agree, _check_global_len, _check_tensor, _normalize_dim
-from dsp_plugin.comm.collectives import _all_gather_tensor, all_to_all_single
+from dsp_plugin.comm.collectives import all_to_all_single
 from dsp_plugin.comm.group_resolution import _member
-from dsp_plugin.packing import chunk_sizes, join_blocks, offsets, split_blocks
+from dsp_plugin.comm.reduce_scatter import _gather, _GatherPartial
+from dsp_plugin.packing import chunk_sizes, join_blocks, split_blocks
 
 __all__ = ["count_sharded_call", "dynamic_switch", "gather", "sharded_calls", "split"]
 
@@ -103,32 +112,6 @@ def count_sharded_call() -> None:
 def _split_local(x: torch.Tensor, dim: int, n: int, rank: int) -> torch.Tensor:
     # A copy, not a view: a view would keep the full tensor alive.
     return x.tensor_split(n, dim=dim)[rank].clone(memory_format=torch.contiguous_format)
-
-
-def _gather(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup, n: int) -> torch.Tensor:
-    """S(dim) -> R with one all_gather of equal-size blocks (uneven chunks padded inside)."""
-    sizes = chunk_sizes(full, n)
-    block = max(sizes)
-    padded_shape = list(x.shape)
-    padded_shape[dim] = block
-    if x.shape[dim] == block:
-        send = x.contiguous()
-    else:
-        send = x.new_zeros(padded_shape)
-        send.narrow(dim, 0, x.shape[dim]).copy_(x)
-    # gloo wants the output as blocks concatenated along dim 0: (n * p0, p1, ..)
-    recv = x.new_empty((n * padded_shape[0], *padded_shape[1:]))
-    _all_gather_tensor(recv, send, group)
-    if block * n == full:
-        return join_blocks(recv.view(-1), padded_shape, dim, sizes)
-    # drop each block's padding: (n, .., block, ..) -> (.., full, ..)
-    recv = recv.view(n, *padded_shape)
-    out_shape = list(x.shape)
-    out_shape[dim] = full
-    out = x.new_empty(out_shape)
-    for i, (start, size) in enumerate(zip(offsets(sizes), sizes)):
-        out.narrow(dim, start, size).copy_(recv[i].narrow(dim, 0, size))
-    return out
 
 
 def _switch(x: torch.Tensor, cur: int, tgt: int, cur_full: int, group: dist.ProcessGroup, n: int, rank: int,
@@ -248,23 +231,38 @@ def split(x: torch.Tensor, tgt_shard: int, *, group: dist.ProcessGroup | None = 
 
 
 def gather(x: torch.Tensor, cur_shard: int, *, group: dist.ProcessGroup | None = None,
-           global_len: int | None = None) -> torch.Tensor:
+           global_len: int | None = None, partial_grad: bool = False) -> torch.Tensor:
     """Shard(cur_shard) -> Replicate: one all_gather along dim ``cur_shard``.
 
     ``global_len`` is the full length of dim ``cur_shard``. Without it the length
     comes from ``x``'s tag (``split``/``dynamic_switch`` outputs carry it), else
-    from the group (one tiny all_gather and a host sync). Backward keeps this
-    rank's chunk of the gradient. A size-1 group returns ``x``.
+    from the group (one tiny all_gather and a host sync). A size-1 group returns ``x``.
+
+    The backward depends on who uses the gathered tensor (docs/concepts.md, "Gradients by consumer"):
+
+    - ``partial_grad=False``: every rank computes the same thing from it (the model's replicated tail, a
+      loss), so every rank holds the same gradient; backward keeps this rank's chunk (no collective).
+    - ``partial_grad=True``: each rank uses it for work on its own shard (a pair bias for this rank's MSA
+      rows, the second operand of an outer product), so each rank holds a partial gradient; backward is one
+      reduce_scatter: the sum over the group, this rank's chunk (megatron-core's
+      ``gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)``). Differentiable twice.
     """
     group, n, rank = _member("gather", group)
     if torch.compiler.is_compiling():
         dim = _normalize_dim("gather", "cur_shard", cur_shard, x.dim())
-        return x if n == 1 else traced.traced_gather(x, dim, _traced_len("gather", global_len), group, n, rank)
+        _check_partial_grad(partial_grad)
+        if n == 1:
+            return x
+        full = _traced_len("gather", global_len)
+        if partial_grad:
+            return traced.traced_gather_partial(x, dim, full, group, n, rank)
+        return traced.traced_gather(x, dim, full, group, n, rank)
     error, dim, known = None, -1, None
     try:
         x = _check_tensor("gather", x)
         dim = _normalize_dim("gather", "cur_shard", cur_shard, x.dim())
         known = _check_global_len("gather", global_len)
+        _check_partial_grad(partial_grad)
     except (TypeError, ValueError) as exc:
         if n == 1:
             raise
@@ -273,8 +271,18 @@ def gather(x: torch.Tensor, cur_shard: int, *, group: dist.ProcessGroup | None =
         return x
     if known is None and error is None:
         known = layout.global_len_of(x, dim)
-    full = _agree("gather", x, cur=dim, tgt=-1, known_len=known, group=group, n=n, rank=rank, error=error)
+    full = _agree("gather", x, cur=dim, tgt=-1, known_len=known, group=group, n=n, rank=rank, error=error,
+                  partial_grad=partial_grad is True)
+    if partial_grad:
+        return _GatherPartial.apply(x, dim, full, group, n, rank)
     return _Gather.apply(x, dim, full, group, n, rank)
+
+
+def _check_partial_grad(partial_grad: object) -> None:
+    if not isinstance(partial_grad, bool):
+        raise TypeError(f"gather: partial_grad must be a bool (True: the gathered tensor feeds work each rank does "
+                        f"on its own shard, so its gradient is reduce-scattered; False: every rank computes the "
+                        f"same from it), got {partial_grad!r}")
 
 
 def _traced_len(name: str, global_len: int | None) -> int:

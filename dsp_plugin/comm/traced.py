@@ -15,6 +15,7 @@ primitive       forward                              backward (the project's adj
 ==============  ===================================  ==========================================
 split           this rank's chunk (no collective)    all_gather of the gradient chunks
 gather          all_gather                           this rank's chunk (no collective)
+(partial_grad)  all_gather                           reduce_scatter of the gradient (sum, own chunk)
 dynamic_switch  all_to_all_single_autograd           the reverse all-to-all (funcol's autograd)
 (comm_dtype)    encode, all_to_all_single of bytes,  the reverse switch, in the gradient's format
                 decode (``payload``)                 (``_TracedWireSwitch``)
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from dsp_plugin.comm import collectives
 from dsp_plugin.packing import chunk_sizes, offsets  # chunk_sizes traces on a symbolic length
 
-__all__ = ["traced_gather", "traced_split", "traced_switch", "traced_wire_switch"]
+__all__ = ["traced_gather", "traced_gather_partial", "traced_split", "traced_switch", "traced_wire_switch"]
 
 
 def _gathered(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup, n: int) -> torch.Tensor:
@@ -75,6 +76,42 @@ def traced_gather(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup
     # the same values, with this rank's own (live) chunk in place: the gradient flows to x from it alone
     return torch.cat([whole.narrow(dim, 0, start), x, whole.narrow(dim, start + sizes[rank],
                                                                    full - start - sizes[rank])], dim=dim)
+
+
+def _reduce_scattered(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup, n: int,
+                      rank: int) -> torch.Tensor:
+    """Every rank's full-length ``x`` summed over the group, this rank's chunk of ``dim`` (no autograd): one
+    reduce_scatter of equal blocks, uneven chunks padded (the blocks of ``reduce_scatter._reduce_scatter``)."""
+    sizes = chunk_sizes(full, n)
+    block = max(sizes)
+    moved = x.movedim(dim, 0)
+    parts = []
+    for start, size in zip(offsets(sizes), sizes):
+        part = moved.narrow(0, start, size)
+        if size < block:
+            part = torch.cat([part, part.new_zeros(block - size, *part.shape[1:])])
+        parts.append(part)
+    summed = collectives.traced_reduce_scatter(torch.cat(parts).contiguous(), group=group)  # [block, ..]
+    return summed.narrow(0, 0, sizes[rank]).movedim(0, dim)
+
+
+class _TracedGatherPartial(torch.autograd.Function):
+    """All-gathered ``x``; backward: the gradient reduce-scattered (``gather(partial_grad=True)`` compiled)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, full, group, n, rank):  # type: ignore[override]
+        ctx.dim, ctx.full, ctx.group, ctx.n, ctx.rank = dim, full, group, n, rank
+        return _gathered(x, dim, full, group, n)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return _reduce_scattered(grad, ctx.dim, ctx.full, ctx.group, ctx.n, ctx.rank), None, None, None, None, None
+
+
+def traced_gather_partial(x: torch.Tensor, dim: int, full: int, group: dist.ProcessGroup, n: int,
+                          rank: int) -> torch.Tensor:
+    """All-gathered ``x`` whose gradient is the sum over the group of the output's gradients, this rank's chunk."""
+    return _TracedGatherPartial.apply(x, dim, full, group, n, rank)
 
 
 class _TracedWireSwitch(torch.autograd.Function):

@@ -12,7 +12,10 @@ activation inside the model has the *partial* adjoint (its own chunk, zeros
 elsewhere; no communication), and a gather, whose output feeds a computation
 that every rank repeats, is paired with a 1/N on the model's replicated outputs
 and an N on the gather's backward, so parameters used after the gather get 1/N
-of the gradient on each rank.
+of the gradient on each rank. A gather whose output feeds work each rank does on
+its own shard (``Gather(partial_grad=True)``) gets a partial gradient on each rank
+instead: its backward is the reduce-scatter (the sum over the group, this rank's
+chunk), with no N.
 """
 
 from __future__ import annotations
@@ -239,16 +242,18 @@ def plan_switch(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], 
 
 
 def plan_gather(where: str, x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str,
-                group: dist.ProcessGroup | None, *, members: tuple[int, int] | None = None) -> torch.Tensor:
-    """S(shard) -> R: one all_gather, not re-issued under recompute; backward N x its own chunk (module docstring)."""
+                group: dist.ProcessGroup | None, *, members: tuple[int, int] | None = None,
+                partial_grad: bool = False) -> torch.Tensor:
+    """S(shard) -> R: one all_gather, not re-issued under recompute; backward N x its own chunk, or with
+    ``partial_grad`` the reduce-scatter (module docstring)."""
     members = _members(group, members)
     n = members[0]
     if n == 1:
         return x
     u = _unfold(where, x, lay, grid, shard, group, members)
     y = recompute.replay((where, "gather"), lambda u: gather(
-        u, lay.axes.index(shard), group=group, global_len=grid[shard]), u)
-    return scale_grad(_fold(y, lay), float(n))
+        u, lay.axes.index(shard), group=group, global_len=grid[shard], partial_grad=partial_grad), u)
+    return _fold(y, lay) if partial_grad else scale_grad(_fold(y, lay), float(n))
 
 
 def tag(x: torch.Tensor, lay: Layout, grid: dict[str, int], shard: str) -> torch.Tensor:

@@ -433,16 +433,17 @@ class _Runtime:
                              f"progress; expected a sharded activation")
         grid, shard = placed if whole else _complete(where, x, spec.layout, placed, frame) if placed is not None \
             else (frame.grid, frame.shard)
-        if frame is not None and frame.sharded_io:  # the caller wants the shard back, on the axis it gave
+        if frame is not None and frame.sharded_io and not spec.partial_grad:  # the caller wants its shard back
             if frame.io_shard is not None and frame.io_shard != shard and frame.io_shard in spec.layout.axes:
                 x = ops.plan_switch(where, x, spec.layout, grid, shard, frame.io_shard, self.group,
                                     comm_dtype=self.comm_dtype, members=self.members(frame))
                 frame.shard = shard = frame.io_shard
                 frame.passing = None
             return ops.tag(x, spec.layout, grid, shard)
-        if frame is not None:
+        if frame is not None and not spec.partial_grad:  # a partial_grad gather feeds sharded work: still sharded
             frame.shard = frame.passing = None
-        return ops.plan_gather(where, x, spec.layout, grid, shard, self.group, members=self.members(frame))
+        return ops.plan_gather(where, x, spec.layout, grid, shard, self.group, members=self.members(frame),
+                               partial_grad=spec.partial_grad)
 
     def block_pre(self, path: str, a: _Args, spec: Block) -> dict[str, Any]:
         """Place the block's activation (switching it when the block attends the sharded axis); return the

@@ -120,13 +120,30 @@ class Split:
 
 @dataclass(frozen=True)
 class Gather:
-    """Gather argument ``arg`` (a name, a position, or ``"out"``) whose layout is ``layout``."""
+    """Gather argument ``arg`` (a name, a position, or ``"out"``) whose layout is ``layout``.
+
+    The backward depends on who uses the gathered tensor (docs/concepts.md, "Gradients by consumer"):
+
+    - ``partial_grad=False`` (the model's exit): every rank computes the same from it, the model's replicated
+      tail. Backward: N times this rank's chunk of the gradient, paired with the 1/N the runtime puts on the
+      model's replicated outputs, so a parameter after the gather gets 1/N of its gradient on each rank and
+      the sum over the group (``reduce_gradients``) is the one-process gradient. The gather ends the shard:
+      later modules see a replicated activation (under ``sharded_io`` the caller's shard comes back instead).
+    - ``partial_grad=True`` (a side input of sharded work: a pair bias, a memory every shard attends to):
+      each rank uses it for its own shard, so each rank's gradient is partial. Backward: one reduce_scatter,
+      the sum over the group, this rank's chunk, no scaling. The activation stays sharded (the forward's
+      placement is unchanged), and under ``sharded_io`` the argument is gathered all the same.
+    """
 
     arg: str | int
     layout: str | Layout
+    partial_grad: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", _layout(self.layout))
+        if not isinstance(self.partial_grad, bool):
+            raise TypeError(f"Gather(partial_grad={self.partial_grad!r}); expected a bool (True: the gathered "
+                            f"tensor feeds work each rank does on its own shard)")
 
 
 @dataclass(frozen=True)
