@@ -7,6 +7,8 @@ By role (each module imports only those above it)::
                           (tests/test_comm_choke_point.py)
     group_resolution.py   group=None -> the DSP group of the installed topology; the no-topology rule
     agree.py              a call's argument checks, and the cross-rank agreement before its collective
+    reduce_scatter.py     the all_gather and its adjoint, the reduce_scatter: ``gather``'s data movement, and
+                          ``gather(partial_grad=True)``'s autograd Functions (each the other's backward)
     primitives.py         split, gather, dynamic_switch: the data movement and the autograd Functions
     overlap.py            switch_apply: a chunk's all-to-all in flight while the previous chunk computes
     reduction.py          reduce_gradients and the agreement on the parameter list
