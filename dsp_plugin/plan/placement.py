@@ -19,7 +19,7 @@ from dsp_plugin.plan import ops
 from dsp_plugin.plan.frames import Frame
 from dsp_plugin.plan.spec import Split
 
-__all__ = ["GRID_ATTR", "complete", "holds_all", "is_full", "split_rows"]
+__all__ = ["GRID_ATTR", "complete", "holds_all", "is_full", "split_rows", "untagged"]
 
 GRID_ATTR = "_dsp_plan_grid"
 
@@ -43,6 +43,20 @@ def complete(where: str, x: torch.Tensor, lay: Any, placed: tuple[dict[str, int]
                          f"activation's tag and no forward of this model is in progress")
     carrier.note(x, GRID_ATTR, grid)  # a recompute (no frame) finds them on its input
     return grid, shard
+
+
+def untagged(where: str, x: Any, frame: Frame | None) -> str:
+    """What is wrong where a ``Gather`` meets an input without a shard tag and the forward holds no sharded axis
+    to place it by: the input, and the placement the forward's frame holds (or that none is open)."""
+    what = f"this tensor of shape {tuple(x.shape)}" if isinstance(x, torch.Tensor) else \
+        f"this {type(x).__name__} (not a tensor)"
+    if frame is None:
+        held = "no forward of this model is in progress (a call outside its forward, or a recompute)"
+    else:
+        held = (f"the forward holds R (replicated: no Split has run before it, or a Gather ran already; global "
+                f"lengths {frame.grid})")
+    return (f"{where}: {what} has no shard tag, and {held}; expected a shard of the split activation (gather "
+            f"only what a Split, Block or switch placed)")
 
 
 def holds_all(lay: Any, grid: dict[str, int], shard: str) -> bool:

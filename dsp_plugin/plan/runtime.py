@@ -61,6 +61,7 @@ from dsp_plugin.plan.placement import complete as _complete
 from dsp_plugin.plan.placement import holds_all as _holds_all
 from dsp_plugin.plan.placement import is_full as _is_full
 from dsp_plugin.plan.placement import split_rows as _split_rows
+from dsp_plugin.plan.placement import untagged as _untagged
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 from dsp_plugin.plan.wrap import still_wrapped, wrap
 
@@ -429,8 +430,7 @@ class _Runtime:
             found = self.placed(where, spec, x) if isinstance(x, torch.Tensor) else (None, None, False)
         _, placed, whole = found
         if placed is None and (frame is None or frame.shard is None):
-            raise ValueError(f"{where}: the input carries no shard tag and no forward of this model is in "
-                             f"progress; expected a sharded activation")
+            raise ValueError(_untagged(where, x, frame))
         grid, shard = placed if whole else _complete(where, x, spec.layout, placed, frame) if placed is not None \
             else (frame.grid, frame.shard)
         if frame is not None and frame.sharded_io and not spec.partial_grad:  # the caller wants its shard back
