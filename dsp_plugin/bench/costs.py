@@ -345,17 +345,18 @@ def run(n: int = 2, *, quick: bool = False, rounds: int | None = None, size: tup
     heads = heads or (wire.HEADS_QUICK if quick else wire.HEADS)
 
     def log(what: str) -> None:
-        print(f"[costs] {what} on {n} ranks", file=sys.stderr, flush=True)
+        print(f"[costs] {what}", file=sys.stderr, flush=True)
 
-    log(f"bf16 vs fp8 on the wire: dynamic_switch {switch}, head switch {heads} per rank")
+    log(f"bf16 vs fp8 on the wire: dynamic_switch {switch}, head switch {heads} per rank, {n} ranks")
     result: dict[str, Any] = {"n": n, "rounds": rounds, "size": size, "wire": wire.wire(n, switch, heads, rounds * 3)}
-    log(f"the clock: the plan runtime's share of a Wan {size} step")
+    log(f"the clock: the plan runtime's share of a Wan {size} step, {n} ranks")
     result["runtime"] = clock_share(n, size, rounds=rounds)
-    log(f"the plan runtime's cost against the hand-written Wan {size}, {rounds * 10} paired rounds,")
+    log(f"the plan runtime's cost against the hand-written Wan {size}: {rounds * 10} paired rounds, rank 0 of a "
+        f"fake world of {n}")
     result["runtime_cost"] = measure_against_hand(n, size, rounds=rounds * 10, per_round=2)
     result["compiled_runtime"] = {}
     if compiled:
-        log(f"the plan runtime under torch.compile (aot_eager): Wan {size}")
+        log(f"the plan runtime under torch.compile (aot_eager): Wan {size}, {n} ranks")
         per_rank = spawn(_compiled_runtime_worker, n, size, timeout=1200, collective_timeout_s=300)
         result["compiled_runtime"] = {m: {k: max(r[m]["calls"][k] for r in per_rank) for k in ("eager", "compiled")}
                                       for m in MODES}
