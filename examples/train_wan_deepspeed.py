@@ -11,10 +11,11 @@ What makes it DSP (marked ``# DSP``): the config's two keys, ``initialize`` from
 self-attention, the output gathered), and the loader from ``initialize`` (every rank of a DSP group gets
 the same samples). Everything else is a plain DeepSpeed training loop: flow matching (rectified flow, as Wan
 is trained: ``x_t = (1 - s) x0 + s noise``, the model predicts ``noise - x0`` at timestep ``1000 s``), bf16
-or fp32, ZeRO 0-3, checkpoints with manifests (``dsp_plugin.deepspeed.checkpoint``: a save never becomes
-``latest`` half-written, a mixed or altered checkpoint is refused) holding the loader's position, so a
-resumed run continues with the same batches. Rank 0 logs the DSP groups and the first step's traffic
-(all-to-alls, bytes), then the loss, step time and samples/s of every step.
+or fp32, ZeRO 0-3, AdamW with a warm-up then a linear decay (DeepSpeed's ``WarmupDecayLR``), checkpoints with
+manifests (``dsp_plugin.deepspeed.checkpoint``: a save never becomes ``latest`` half-written, a mixed or
+altered checkpoint is refused) holding Adam's state, the schedule's step, the loader's position and every
+rank's RNG states, so a resumed run continues with the same batches and draws. Rank 0 logs the DSP groups
+and the first step's traffic (all-to-alls, bytes), then the loss, step time and samples/s of every step.
 
 The data stands in for what you would precompute once with the pipeline's VAE and text encoder:
 ``WanLatents`` draws latents, text embeddings, noise and the flow time of each sample from its index, so
@@ -68,7 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--precision", default="bf16", choices=("fp32", "bf16"), help="(default bf16)")
     p.add_argument("--steps", type=int, default=10, help="the last optimizer step (default 10)")
     p.add_argument("--micro-batch", type=int, default=1, help="samples per data-parallel rank (default 1)")
-    p.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate (default 1e-4)")
+    p.add_argument("--lr", type=float, default=1e-4, help="AdamW's peak learning rate (default 1e-4)")
+    p.add_argument("--warmup-steps", type=int, default=2,
+                   help="linear warm-up from --lr / 10 to --lr over these steps (default 2)")
+    p.add_argument("--decay-steps", type=int, default=1000,
+                   help="then linear decay to 0 at this step (default 1000); not tied to --steps, so a run "
+                        "resumed with more --steps continues the same schedule")
     p.add_argument("--samples", type=int, default=64, help="dataset size (default 64)")
     p.add_argument("--frames", type=int, default=5, help="latent frames (default 5)")
     p.add_argument("--size", type=int, default=8, help="latent height and width (default 8)")
@@ -98,6 +104,9 @@ def ds_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
         "zero_optimization": {"stage": args.zero},
         "bf16": {"enabled": args.precision == "bf16"},
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.0, "torch_adam": True}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {   # saved and restored with the engine's checkpoint
+            "warmup_min_lr": args.lr / 10, "warmup_max_lr": args.lr, "warmup_num_steps": args.warmup_steps,
+            "total_num_steps": args.decay_steps, "warmup_type": "linear"}},
         "gradient_clipping": 1.0,
         "steps_per_print": 10**9,
     }

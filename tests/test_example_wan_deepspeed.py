@@ -1,14 +1,18 @@
 """``examples/train_wan_deepspeed.py`` trains diffusers' Wan under DeepSpeed ZeRO + DSP and resumes bit-exact.
 
-Three torchrun runs of the example as a user runs it (2 processes: DSP 2, bf16): 4 steps straight; 2 steps
-saved; resumed from that save to step 4. The resumed run's losses of steps 3 and 4 equal the straight run's
-bitwise, and so do the step-4 checkpoints' module weights (the manifests' save ids differ, nothing else).
+Two torchrun runs of the example as a user runs it (2 processes: DSP 2), ZeRO-2 in fp32 and ZeRO-3 in bf16:
+6 steps straight, saving at steps 2, 4 and 6; then a run resumed from the step-2 save to step 6. Both use
+the example's AdamW with a warm-up then a decay (``--warmup-steps 2 --decay-steps 6``: the LR changes every
+step) and its loader (the data position travels in the checkpoint). The resumed run's losses of steps 3-6
+(step 6's shows the third optimizer step after the resume) equal the straight run's bitwise, and so do the
+step-6 checkpoints' module weights (ZeRO-2; ZeRO-3 keeps them in its partitioned files).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +24,7 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("diffusers")
 
 ROOT = Path(__file__).resolve().parents[1]
+STEPS, SAVED = 6, 2
 
 
 def _run(tmp: Path, name: str, *args: str) -> tuple[dict[str, float], str]:
@@ -37,20 +42,28 @@ def _module(save_dir: Path) -> dict[str, torch.Tensor]:
     return state["module"]
 
 
+def _only_save(save_dir: Path, step: int, into: Path) -> Path:
+    """A directory whose ``latest`` is ``save_dir``'s save of ``step`` (the tag copied whole, manifests included)."""
+    tag = next(p.name for p in save_dir.iterdir() if p.is_dir() and p.name.startswith(f"step{step}-"))
+    shutil.copytree(save_dir / tag, into / tag)
+    (into / "latest").write_text(tag)
+    return into
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", ["2", "3"])
-def test_example_trains_and_resumes_bit_exact(tmp_path: Path, zero: str) -> None:
-    common = ["--zero", zero, "--precision", "bf16"]
-    straight, log = _run(tmp_path, "straight", *common, "--steps", "4", "--save-dir", str(tmp_path / "straight"))
+@pytest.mark.parametrize("zero, precision", [("2", "fp32"), ("3", "bf16")])
+def test_example_trains_and_resumes_bit_exact(tmp_path: Path, zero: str, precision: str) -> None:
+    common = ["--zero", zero, "--precision", precision, "--steps", str(STEPS), "--warmup-steps", "2",
+              "--decay-steps", str(STEPS)]
+    straight, log = _run(tmp_path, "straight", *common, "--save-dir", str(tmp_path / "straight"),
+                         "--save-every", str(SAVED))
     assert "DSP: tp(1) x dsp(2) x dp(1)" in log and "all-to-alls forward" in log, log[-3000:]   # the traffic line
-    assert "step 4 loss" in log and "samples/s" in log, log[-3000:]
-    first, _ = _run(tmp_path, "first", *common, "--steps", "2", "--save-dir", str(tmp_path / "first"))
-    resumed, log = _run(tmp_path, "resumed", *common, "--steps", "4", "--load-dir", str(tmp_path / "first"),
-                        "--save-dir", str(tmp_path / "resumed"))
-    assert "resumed" in log and "at step 3" in log, log[-3000:]
-    print(f"ZeRO-{zero} bf16, DSP 2: straight {straight}; first {first}; resumed {resumed}")
-    assert first == {k: straight[k] for k in ("1", "2")}, (first, straight)
-    assert resumed == {k: straight[k] for k in ("3", "4")}, (resumed, straight)      # bitwise (JSON floats)
+    assert f"step {STEPS} loss" in log and "samples/s" in log, log[-3000:]
+    first = _only_save(tmp_path / "straight", SAVED, tmp_path / "first")
+    resumed, log = _run(tmp_path, "resumed", *common, "--load-dir", str(first), "--save-dir", str(tmp_path / "resumed"))
+    assert "resumed" in log and f"at step {SAVED + 1}" in log, log[-3000:]
+    print(f"ZeRO-{zero} {precision}, DSP 2: straight {straight}; resumed at step {SAVED + 1}: {resumed}")
+    assert resumed == {k: straight[k] for k in map(str, range(SAVED + 1, STEPS + 1))}, (resumed, straight)  # bitwise
     if zero == "2":                   # ZeRO-3 keeps the weights in its partitioned files, not the module file
         a, b = _module(tmp_path / "straight"), _module(tmp_path / "resumed")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "module weights differ"
