@@ -13,7 +13,8 @@ process, two ways:
 Oracle: the unmodified pipeline on one process. Tiny random model (``dsp_plugin.testing.tiny_video``), a tiny
 ``AutoencoderKLHunyuanVideo``, prompt embeddings given (no Llama/CLIP), fp32: 9 frames -> 3 latent frames for the
 unmodified pipeline, 17 frames -> 5 latent frames for the sharded sampler (3+2 on 2 ranks, 2+1+1+1 on 4; on 4
-ranks one rank holds none of the 3 heads).
+ranks one rank holds none of the 3 heads); 16x32 pixels, 8x16 latents, 4x8 patches: not square, so a height
+taken for the width (or the reverse) anywhere on the way changes the tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ pytest.importorskip("diffusers")
 from tests.distributed import run_distributed  # noqa: E402
 
 STEPS, FRAMES, LATENT_FRAMES, ATTENTIONS = 2, 17, 5, 2   # the tiny model: 1 double- and 1 single-stream block
+HEIGHT, WIDTH = 16, 32  # pixels: not square (the pipeline takes multiples of 16)
 
 
 def _pipe() -> Any:
@@ -46,7 +48,7 @@ def _kwargs(output_type: str, num_frames: int = 9, cfg: bool = False) -> dict[st
     negative = {"negative_prompt_embeds": text[1:], "negative_pooled_prompt_embeds": pooled[1:],
                 "negative_prompt_attention_mask": mask[1:], "true_cfg_scale": 3.0} if cfg else {}
     return {"prompt_embeds": text[:1], "pooled_prompt_embeds": pooled[:1], "prompt_attention_mask": mask[:1],
-            "height": 16, "width": 16, "num_frames": num_frames, "num_inference_steps": STEPS,
+            "height": HEIGHT, "width": WIDTH, "num_frames": num_frames, "num_inference_steps": STEPS,
             "output_type": output_type, "generator": torch.Generator().manual_seed(0), **negative}
 
 

@@ -3,7 +3,8 @@
 Oracle: ``LattePipeline.__call__`` itself (diffusers' loop, unsharded). The DSP
 sampler keeps the latents sharded from the first step to the last: inside the
 loop only all-to-alls (and, with CFG parallelism, one all_gather of the noise
-shard per step) run; the single gather happens after the loop.
+shard per step) run; the single gather happens after the loop. 8x24 pixels, 4x12 latents: not square, so a
+height taken for the width (or the reverse) changes the tokens.
 """
 
 from __future__ import annotations
@@ -19,12 +20,13 @@ from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds  # n
 from tests.distributed import run_distributed  # noqa: E402
 
 FRAMES, STEPS, LAYERS = 7, 3, 2
+HEIGHT, WIDTH = 8, 24  # pixels: not square (the pipeline takes multiples of 8)
 
 
 def _kwargs(output_type: str) -> dict:
     prompt, negative = tiny_prompt_embeds()
     return {"prompt_embeds": prompt, "negative_prompt": None, "negative_prompt_embeds": negative,
-            "video_length": FRAMES, "height": 16, "width": 16,
+            "video_length": FRAMES, "height": HEIGHT, "width": WIDTH,
             "num_inference_steps": STEPS, "guidance_scale": 4.0,
             "generator": torch.Generator().manual_seed(0), "output_type": output_type}
 

@@ -6,7 +6,8 @@ frames from the first step to the last: the transformer sees this rank's latent
 frames on every call, inside the loop only all-to-alls run (and, with CFG
 parallelism, one all_gather of the noise shard per step), and the single gather
 of the latents happens after the loop. 9 video frames = 5 latent frames
-(the tiny VAE halves time): 3+2 on DSP 2, 2+1+1+1 on DSP 4.
+(the tiny VAE halves time): 3+2 on DSP 2, 2+1+1+1 on DSP 4; 16x32 pixels, 8x16 latents: not square, so a
+height taken for the width (or the reverse) changes the tokens.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ from dsp_plugin.testing.tiny import tiny_wan_pipeline  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 STEPS, LAYERS, FRAMES, LATENT_FRAMES = 2, 2, 9, 5
+HEIGHT, WIDTH = 16, 32  # pixels: not square (the pipeline takes multiples of 16)
 
 
 def _kwargs(output_type: str, **extra: object) -> dict:
-    return {"prompt": "a cat walks on the grass", "negative_prompt": "blurry", "height": 16, "width": 16,
+    return {"prompt": "a cat walks on the grass", "negative_prompt": "blurry", "height": HEIGHT, "width": WIDTH,
             "num_frames": FRAMES, "num_inference_steps": STEPS, "guidance_scale": 4.0, "max_sequence_length": 8,
             "generator": torch.Generator().manual_seed(0), "output_type": output_type, **extra}
 

@@ -1,8 +1,8 @@
 """Wan's tiled VAE decode split over the DSP ranks equals diffusers' own ``tiled_decode`` on one process.
 
 Oracle: ``AutoencoderKLWan.tiled_decode`` (and ``WanPipeline.__call__`` with ``vae.enable_tiling``) on one
-process. The tiny pipeline's 16x16 pixels are 8x8 latents; tiles of 8x12 pixels at strides 6x8 are 4x6 latents
-at strides 3x4: 3 rows (at 0, 3, 6) x 2 columns (at 0, 4) = 6 tiles, overlapping by 2 and 4 pixels. Round-robin:
+process. The tiny pipeline's 16x32 pixels (not square) are 8x16 latents; tiles of 8x24 pixels at strides 6x16 are
+4x12 latents at strides 3x8: 3 rows (at 0, 3, 6) x 2 columns (at 0, 8) = 6 tiles, overlapping by 2 and 8 pixels. Round-robin:
 3 tiles per rank on DSP 2, 2-2-1-1 on DSP 4, 3 per rank of each DSP group under CFG 2 x DSP 2; a 1x2 grid on
 DSP 4 leaves two ranks without a tile.
 """
@@ -21,16 +21,18 @@ from dsp_plugin.testing.tiny import tiny_wan_pipeline  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 
 STEPS, LAYERS, FRAMES, LATENT_FRAMES = 2, 2, 9, 5
-TILING = {"tile_sample_min_height": 8, "tile_sample_min_width": 12, "tile_sample_stride_height": 6,
-          "tile_sample_stride_width": 8}
+TILING = {"tile_sample_min_height": 8, "tile_sample_min_width": 24, "tile_sample_stride_height": 6,
+          "tile_sample_stride_width": 16}
 TILES = 6
+# Wan 2.2's VAE (x8 in space): 8x16 latents are 64x128 pixels; tiles of 32x96 at strides 24x64: the same 3x2 grid
+WAN22_TILING = (32, 96, 24, 64)
 # one row of two tiles (the height is one tile): fewer tiles than 4 ranks
-WIDE = {"tile_sample_min_height": 16, "tile_sample_min_width": 12, "tile_sample_stride_height": 16,
-        "tile_sample_stride_width": 8}
+WIDE = {"tile_sample_min_height": 16, "tile_sample_min_width": 24, "tile_sample_stride_height": 16,
+        "tile_sample_stride_width": 16}
 
 
 def _kwargs(**extra: object) -> dict:
-    return {"prompt": "a cat walks on the grass", "negative_prompt": "blurry", "height": 16, "width": 16,
+    return {"prompt": "a cat walks on the grass", "negative_prompt": "blurry", "height": 16, "width": 32,
             "num_frames": FRAMES, "num_inference_steps": STEPS, "guidance_scale": 4.0, "max_sequence_length": 8,
             "generator": torch.Generator().manual_seed(0), "output_type": "pt", **extra}
 
@@ -60,7 +62,7 @@ def _decoder_calls(vae: object) -> list[tuple[int, int]]:
     return seen
 
 
-def _latents(seed: int, h: int = 8, w: int = 8) -> torch.Tensor:
+def _latents(seed: int, h: int = 8, w: int = 16) -> torch.Tensor:
     return torch.randn(1, 4, LATENT_FRAMES, h, w, generator=torch.Generator().manual_seed(seed))
 
 
@@ -76,7 +78,7 @@ def test_split_copy_equals_diffusers_tiled_decode_one_process() -> None:
     """The copy of the per-tile loop and the blend, on one process (no group), against diffusers' own."""
     with torch.no_grad():
         for vae, z in ((_pipe().vae, _latents(1)), (_wan22_vae(), _latents(2))):
-            vae.enable_tiling(**TILING) if vae.config.patch_size is None else vae.enable_tiling(32, 48, 24, 32)
+            vae.enable_tiling(**TILING) if vae.config.patch_size is None else vae.enable_tiling(*WAN22_TILING)
             expected = vae.tiled_decode(z).sample
             got = split_tiled_decode(vae, z, group=None).sample
             assert got.shape == expected.shape and torch.equal(got, expected), (got - expected).abs().max()
@@ -133,7 +135,7 @@ def _sample(rank: int, n: int) -> dict:
         result["decode"] = {"equal": torch.equal(video, expected_video), "calls": len(calls),
                             "ops": [r.op for r in acct.records]}
         # Wan 2.2's layout (patch_size 2: unpatchify), and a grid of fewer tiles than ranks
-        for tag, vae, tiling, z in (("wan22", _wan22_vae(), (32, 48, 24, 32), _latents(2)),
+        for tag, vae, tiling, z in (("wan22", _wan22_vae(), WAN22_TILING, _latents(2)),
                                     ("wide", tiny_wan_pipeline(layers=1).vae, tuple(WIDE.values()), _latents(3))):
             vae.enable_tiling(*tiling)
             tile_calls = _decoder_calls(vae)

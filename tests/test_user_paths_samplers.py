@@ -3,7 +3,7 @@
 One 4-rank spawn. For each group style of ``tests.user_paths`` and CFG 2 x DSP 2 (``sampling_groups``),
 ``parallelize_wan_pipeline`` and ``parallelize_latte_pipeline`` equal diffusers' own pipeline on one
 process (latents; Wan bitwise-close, Latte's batch-1 CFG halves within its GEMM rounding, see
-docs/inference.md). Then, on DSP 2 x DP 2, the silent cases of item 2 each raise on every rank:
+docs/inference.md), on videos that are not square (Wan 16x32 pixels, Latte 8x24). Then, on DSP 2 x DP 2, the silent cases of item 2 each raise on every rank:
 
 - no ``generator``, each process's default generator seeded differently: the noise is drawn once on
   rank 0 and shared, so every rank samples what one process seeded like rank 0 samples (before: a
@@ -28,7 +28,7 @@ STYLES_AND_CFG = (*STYLES, "cfg2_dsp2")
 
 
 def _wan_kwargs(**extra: Any) -> dict[str, Any]:
-    return {"prompt": "a cat walks on the grass", "negative_prompt": "blurry", "height": 16, "width": 16,
+    return {"prompt": "a cat walks on the grass", "negative_prompt": "blurry", "height": 16, "width": 32,
             "num_frames": 9, "num_inference_steps": 2, "guidance_scale": 4.0, "max_sequence_length": 8,
             "generator": torch.Generator().manual_seed(0), "output_type": "latent", **extra}
 
@@ -38,7 +38,7 @@ def _latte_kwargs(**extra: Any) -> dict[str, Any]:
 
     prompt, negative = tiny_prompt_embeds()
     return {"prompt_embeds": prompt, "negative_prompt": None, "negative_prompt_embeds": negative,
-            "video_length": 7, "height": 16, "width": 16, "num_inference_steps": 2, "guidance_scale": 4.0,
+            "video_length": 7, "height": 8, "width": 24, "num_inference_steps": 2, "guidance_scale": 4.0,
             "generator": torch.Generator().manual_seed(0), "output_type": "latent", **extra}
 
 
@@ -101,7 +101,8 @@ def _worker(rank: int, world_size: int) -> dict[str, Any]:
         out[f"no_generator/{name}"] = (frames - alone).abs().max().item()
         seed = torch.Generator().manual_seed(pair_rank)
         out[f"seed/{name}"] = _error(lambda: _sampler(name, None)(**_kwargs(name, generator=seed)))
-        latents = torch.randn(1, 4, 5 if name == "wan" else 7, 8, 8, generator=torch.Generator().manual_seed(rank))
+        shape = (5, 8, 16) if name == "wan" else (7, 4, 12)  # latent frames, height, width: not square
+        latents = torch.randn(1, 4, *shape, generator=torch.Generator().manual_seed(rank))
         out[f"latents/{name}"] = _error(lambda: _sampler(name, None)(**_kwargs(name, latents=latents)))
     out["prompt/wan"] = _error(lambda: _sampler("wan", None)(**_kwargs("wan", prompt=["a cat", "a dog"][pair_rank])))
     embeds = _latte_kwargs()["prompt_embeds"] + pair_rank
