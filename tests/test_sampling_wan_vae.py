@@ -1,10 +1,10 @@
 """Wan's tiled VAE decode split over the DSP ranks equals diffusers' own ``tiled_decode`` on one process.
 
 Oracle: ``AutoencoderKLWan.tiled_decode`` (and ``WanPipeline.__call__`` with ``vae.enable_tiling``) on one
-process. The tiny pipeline's 16x32 pixels (not square) are 8x16 latents; tiles of 8x24 pixels at strides 6x16 are
-4x12 latents at strides 3x8: 3 rows (at 0, 3, 6) x 2 columns (at 0, 8) = 6 tiles, overlapping by 2 and 8 pixels. Round-robin:
-3 tiles per rank on DSP 2, 2-2-1-1 on DSP 4, 3 per rank of each DSP group under CFG 2 x DSP 2; a 1x2 grid on
-DSP 4 leaves two ranks without a tile.
+process. The tiny pipeline's 16x32 pixels (not square) are 8x16 latents; tiles of 8x24 pixels at strides 6x16
+are 4x12 latents at strides 3x8: 3 rows (at 0, 3, 6) x 2 columns (at 0, 8) = 6 tiles, overlapping by 2 and 8
+pixels. Round-robin: 3 tiles per rank on DSP 2, 2-2-1-1 on DSP 4, 3 per rank of each DSP group under CFG 2 x
+DSP 2; a 1x2 grid on DSP 4 leaves two ranks without a tile.
 """
 
 from __future__ import annotations

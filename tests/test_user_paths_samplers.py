@@ -3,7 +3,8 @@
 One 4-rank spawn. For each group style of ``tests.user_paths`` and CFG 2 x DSP 2 (``sampling_groups``),
 ``parallelize_wan_pipeline`` and ``parallelize_latte_pipeline`` equal diffusers' own pipeline on one
 process (latents; Wan bitwise-close, Latte's batch-1 CFG halves within its GEMM rounding, see
-docs/inference.md), on videos that are not square (Wan 16x32 pixels, Latte 8x24). Then, on DSP 2 x DP 2, the silent cases of item 2 each raise on every rank:
+docs/inference.md), on videos that are not square (Wan 16x32 pixels, Latte 8x24). Then, on DSP 2 x DP 2,
+the silent cases of item 2 each raise on every rank:
 
 - no ``generator``, each process's default generator seeded differently: the noise is drawn once on
   rank 0 and shared, so every rank samples what one process seeded like rank 0 samples (before: a
