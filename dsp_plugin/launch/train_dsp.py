@@ -14,6 +14,10 @@ gloo on the CPU otherwise (``dsp_plugin.backend``; ``DSP_BACKEND=gloo`` forces t
 Knobs: ``--dsp`` (default: the whole world, DP = world / DSP), ``--frames``,
 ``--height``, ``--width``, ``--batch-size`` (per DP rank), ``--steps``, ``--lr``, ``--seed``,
 ``--timeout`` (seconds a collective waits for a dead or frozen peer; every group inherits it).
+Training: ``--optimizer sgd|adamw``, ``--warmup-steps`` and ``--decay-steps`` (a linear warm-up, then a
+linear decay to 0). Checkpoints (``dsp_plugin.launch.train_state``): ``--save-dir`` with ``--save-every N``
+(and after the last step) keeps the model, the optimizer's state, the schedule, the data position and every
+rank's RNG states; ``--load-dir`` resumes from its latest save, equal to the run that was not interrupted.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.adapters.sharded import check_divisible_lengths
 from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.failures import launch_main, reporting
+from dsp_plugin.launch import train_state
 from dsp_plugin.launch.cli import argument_errors
-from dsp_plugin.launch.paths import check_output_file
+from dsp_plugin.launch.paths import check_output_dir, check_output_file
 from dsp_plugin.log import setup
 from dsp_plugin.models import STDiT, STDiTConfig
 from dsp_plugin.plan.builtin import stdit_schedule
@@ -69,7 +74,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--width", type=int, default=16, help="latent width (default 16)")
     p.add_argument("--batch-size", type=int, default=2, help="samples per DP rank per step")
     p.add_argument("--steps", type=int, default=8, help="optimizer steps (default 8)")
-    p.add_argument("--lr", type=float, default=0.1, help="SGD learning rate (default 0.1)")
+    p.add_argument("--lr", type=float, default=0.1, help="(peak) learning rate (default 0.1)")
+    p.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"), help="(default sgd)")
+    p.add_argument("--warmup-steps", type=int, default=0, help="linear warm-up to --lr over these steps (default 0)")
+    p.add_argument("--decay-steps", type=int, default=0,
+                   help="then linear decay to 0 at this step (default 0: no decay); not tied to --steps")
+    p.add_argument("--samples", type=int, default=None,
+                   help="synthetic samples (default: batch size x DP x steps, one epoch; a run resumed with "
+                        "more --steps needs the saving run's number)")
+    p.add_argument("--save-dir", type=Path, default=None, help="write checkpoints here (after the last step too)")
+    p.add_argument("--save-every", type=int, default=None, help="with --save-dir: save after every N steps")
+    p.add_argument("--load-dir", type=Path, default=None, help="resume from this directory's latest checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of the parameters and the data (default 0)")
     p.add_argument("--out", type=Path, default=None, help="write the loss curve as JSON")
     p.add_argument("--compare", type=Path, default=None, help="a JSON from another run to compare losses with")
@@ -93,6 +108,15 @@ def preflight(args: argparse.Namespace, world: int) -> int:
                                                   "with torchrun --nproc-per-node N for more"))
     if args.steps < 1 or args.batch_size < 1:
         raise ValueError(f"--steps {args.steps} and --batch-size {args.batch_size}: expected both >= 1")
+    if args.warmup_steps < 0 or args.decay_steps < 0 or 0 < args.decay_steps <= args.warmup_steps:
+        raise ValueError(f"--warmup-steps {args.warmup_steps} and --decay-steps {args.decay_steps}: expected "
+                         f"both >= 0 and --decay-steps 0 (no decay) or above --warmup-steps")
+    if args.save_every is not None and (args.save_every < 1 or not args.save_dir):
+        raise ValueError(f"--save-every {args.save_every}: expected a positive number of steps, with --save-dir")
+    if args.save_dir:
+        check_output_dir("--save-dir", args.save_dir)
+    if args.load_dir:
+        train_state.check_load_dir(args.load_dir)
     check_divisible_lengths(PROG, {"--frames": args.frames,
                                    "spatial tokens (--height/2)*(--width/2)": (args.height // 2) * (args.width // 2)},
                             dsp)
@@ -139,10 +163,16 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
     model = STDiT(config).to(device)
     if dsp > 1:
         parallelize(model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=args.lr) if args.optimizer == "adamw"
+                 else torch.optim.SGD(model.parameters(), lr=args.lr))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: lr_factor(done, args))
     shape = (config.in_channels, args.frames, args.height, args.width)
-    data = SyntheticLatents(args.batch_size * dp * args.steps, shape, config.text_dim or 1, args.seed)
+    data = SyntheticLatents(args.samples or args.batch_size * dp * args.steps, shape, config.text_dim or 1, args.seed)
     loader = dsp_dataloader(data, batch_size=args.batch_size, seed=args.seed, shuffle=True)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "loader": loader, "device": device}
+    first = 1
+    if args.load_dir:
+        first = train_state.load(args.load_dir, **state) + 1
 
     tokens = args.frames * (args.height // 2) * (args.width // 2)
     m_bytes = args.batch_size * tokens * config.hidden_size * 4     # one [B, T, S, D] fp32 activation
@@ -154,9 +184,17 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
         log("plan: " + "; ".join(stdit_schedule(model)))
     log(f"{'step':>4} | {'loss':>9} | {'step ms':>7} | {'switches fwd/bwd':>16} | {'KiB/switch':>10} | "
         f"{'KiB/layer':>9} | {'2M(N-1)/N^2':>11} | {'grad all-reduce KiB':>19}")
+    if args.load_dir:
+        log(f"resumed {args.load_dir} at step {first}")
     losses = []
     acct = None
-    for step, batch in enumerate(loader, start=1):
+    batches = iter(loader)
+    for step in range(first, args.steps + 1):
+        try:
+            batch = next(batches)
+        except StopIteration:   # the next epoch: the loader reshuffles
+            batches = iter(loader)
+            batch = next(batches)
         batch = {k: v.to(device) for k, v in batch.items()}
         runtime.synchronize(device)
         start = time.perf_counter()
@@ -169,6 +207,7 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
             loss.backward()
             reduce_gradients(model.parameters())
         optimizer.step()
+        scheduler.step()
         runtime.synchronize(device)
         elapsed = (time.perf_counter() - start) * 1e3
         acct = counting if counting is not None else acct
@@ -180,6 +219,8 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
         log(f"{step:>4} | {losses[-1]:>9.6f} | {elapsed:>7.1f} | "
             f"{len(switches):>7}/{acct.count('all_to_all', 'backward'):<8} | {per_switch:>10.1f} | "
             f"{2 * per_switch:>9.1f} | {formula / 1024:>11.1f} | {acct.bytes_sent('all_reduce') / 1024:>19.1f}")
+        if args.save_dir and (step == args.steps or (args.save_every and step % args.save_every == 0)):
+            log(f"saved {train_state.save(args.save_dir, step, **state)}")
     log("Traffic counted on step 1 (the same every step); step 1's time includes that counting and the "
         "ranks' first-call agreement (dsp_plugin.checks).")
     if dsp > 1:
@@ -187,7 +228,7 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
             f"block); layer 0 needs only one because the split lands on T: {2 * config.depth - 1} in all.")
     if rank == 0 and args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"world": dsp * dp, "dsp": dsp, "losses": losses}))
+        args.out.write_text(json.dumps({"world": dsp * dp, "dsp": dsp, "first_step": first, "losses": losses}))
     if rank == 0 and args.compare:
         other = json.loads(args.compare.read_text())
         log(f"\nloss curve: this run ({dsp * dp} process(es)) against {args.compare} "
@@ -196,6 +237,16 @@ def run(args: argparse.Namespace, distributed: bool, device: torch.device) -> No
         for step, (a, b) in enumerate(zip(losses, other["losses"]), start=1):
             log(f"{step:>4} | {a:>10.6f} | {b:>10.6f} | {abs(a - b):>9.2e}")
         log(f"largest difference: {max(abs(a - b) for a, b in zip(losses, other['losses'])):.2e}")
+
+
+def lr_factor(done: int, args: argparse.Namespace) -> float:
+    """The learning rate of the step after ``done`` steps, as a fraction of ``--lr``."""
+    step = done + 1
+    if step <= args.warmup_steps:
+        return step / args.warmup_steps
+    if args.decay_steps:
+        return max(0.0, (args.decay_steps - step) / (args.decay_steps - args.warmup_steps))
+    return 1.0
 
 
 if __name__ == "__main__":
