@@ -151,7 +151,6 @@ RULES: list[Rule] = [
          tests=("tests/test_deepspeed_convention.py", "tests/test_deepspeed_gradients.py")),
     Rule(r"docs/deepspeed\.md:json", "run"),
     Rule(r"examples/train_wan_deepspeed\.py", "covered", tests=("tests/test_example_wan_deepspeed.py",)),
-    Rule(r"examples/evoformer_dap\.py", "covered", tests=("tests/test_evoformer_dap.py",)),
     # ---- sampling --------------------------------------------------------------------------------------------
     Rule(r"^README\.md:bash:\.venv/bin/torchrun --nproc-per-node 2 -m dsp_plugin\.launch\.sample_latte",
          "run",
@@ -197,6 +196,10 @@ RULES: list[Rule] = [
     Rule(r"dsp_plugin\.plan\.check( --model tiny-latte|$)", "covered",
          tests=("tests/test_plan_check.py::test_good_plan_exits_zero",
                 "tests/test_plan_check.py::test_wrong_axis_plan_exits_nonzero_naming_the_module")),
+    Rule(r"dsp_plugin\.plan\.check --model dsp_plugin\.testing\.tiny_video_more:cosmos", "covered",
+         tests=("tests/test_plan_check.py::test_cosmos_and_kandinsky5_are_checked_in_their_own_dtypes",
+                "tests/test_plan_check.py::test_json_report"),
+         why="the same check through the checker's own functions on the test ranks; --json through main()"),
     Rule(r"dsp_plugin\.bench\.published", "run", expect="Wan 2.1 14B"),
     # ---- core, data, accounting -------------------------------------------------------------------------------
     Rule(r"^README\.md:python:from dsp_plugin import", "run", prelude=(

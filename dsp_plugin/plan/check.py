@@ -1,25 +1,34 @@
 """Check a plan against the model on one process before training on it: ``python -m dsp_plugin.plan.check``.
 
     python -m dsp_plugin.plan.check --model tiny-hunyuan-video --nproc 2
-    python -m dsp_plugin.plan.check --model my_models:tiny_case --plan my_plans:PLAN --nproc 4
+    python -m dsp_plugin.plan.check --model my_models:tiny_case --plan my_plans:PLAN --nproc 4 --json report.json
 
 Runs one forward and backward of the model parallelized with the plan on N gloo
-ranks (CPU, fp64 by default) against the same model on one process
-(``dsp_plugin.plan.compare``), and prints per planned module, in call order: its
-specs, its calls, the collectives its calls issued forward and backward (count and
-bytes sent by the busiest rank), and the largest difference of its outputs and of its
-parameters' gradients (summed over the ranks), relative to the largest value of the
-one-process run. Exit status 0: equal within ``--rtol``; 1: a difference, naming the
-first module that differs (a block whose ``attends=`` names the wrong axis runs and
-is wrong: this says where); 2: the run failed (the first rank's error).
+ranks (CPU) against the same model on one process (``dsp_plugin.plan.compare``),
+and prints per planned module, in call order: its specs, its calls, the
+collectives its calls issued forward and backward (count and bytes sent by the
+busiest rank), and the largest difference of its output tensors (every tensor of a
+tuple, list, dict or diffusers output class), of their gradients, and of its
+parameters' gradients (summed over the ranks), relative to the one-process values
+(``check_report``). Exit status 0: equal within the tolerance; 1: a difference,
+naming the first module that differs and which of its output tensors (a block
+whose ``attends=`` names the wrong axis runs and is wrong: this says where), or a
+tensor that could not be compared; 2: a bad argument, or the run failed (the first
+rank's error).
+
+``--dtype``: float64 (the model and its inputs cast), float32, or ``model`` (the
+model's own dtypes, with a tolerance derived from them). By default float64, and
+the model's own dtypes where the model fails in float64 on one process (models
+that keep modules in fp32, such as Cosmos and Kandinsky 5), said in one line.
 
 ``--model``: a built-in tiny model (``dsp_plugin.testing.tiny_video.CASES``), or
 ``module:attribute`` naming a function (or class) that returns ``(model, inputs)``,
 or a model with an ``example_inputs()`` method; inputs are a dict of keyword
 arguments, a tuple of positional ones, or ``(args, kwargs)``. Every rank builds it
 after ``torch.manual_seed(--seed)``. ``--plan``: ``module:attribute``, a dict or a
-function of the model; default: the model's own (``_dsp_plan``, else the built-in one
-for its class).
+function of the model; default: the model's own (``_dsp_plan``, else the built-in
+one for its class). Every argument is checked before a rank starts (a function
+plan is called once here, on the model built as a rank builds it).
 """
 
 from __future__ import annotations
@@ -27,17 +36,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
+import os
 import sys
 import warnings
 from typing import Any
 
 import torch
 
-from dsp_plugin.plan.compare import ROOT, ModuleResult, Result
+from dsp_plugin.plan.compare import Result
 
-__all__ = ["main", "run_check"]
+__all__ = ["load_plan", "main", "run_check"]
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "model": None}
 
 
 def _import(spec: str, what: str) -> Any:
@@ -50,8 +61,45 @@ def _import(spec: str, what: str) -> Any:
         raise ValueError(f"{what} {spec!r}: {type(exc).__name__}: {exc}") from None
 
 
-def build(spec: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
-    """The model and its inputs named by ``--model``, in ``dtype``."""
+def load_plan(spec: str) -> Any:
+    """The plan ``--plan`` names: a dict ``{module path: spec or [specs]}`` (checked here) or a function of the
+    model; a ValueError naming the value and what was expected otherwise."""
+    from dsp_plugin.plan.frames import OnShard
+    from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
+
+    plan = _import(spec, "--plan")
+    kinds = (Block, Gather, Grid, Heads, OnShard, Positions, Split)
+    if isinstance(plan, dict):
+        for path, specs in plan.items():
+            listed = list(specs) if isinstance(specs, (list, tuple)) else [specs]
+            bad = next((s for s in listed if not isinstance(s, kinds)), None)
+            if not isinstance(path, str) or bad is not None or not listed:
+                raise ValueError(f"--plan {spec!r}: entry {path!r}: {bad if listed else specs!r}; expected a module "
+                                 f"path (str) mapped to a spec or a list of specs (Split, Block, Heads, Gather, "
+                                 f"Grid, Positions, OnShard)")
+        return plan
+    if callable(plan) and not isinstance(plan, type):
+        return plan
+    raise ValueError(f"--plan {spec!r} is a {type(plan).__name__}; expected a plan: a dict {{module path: spec}} "
+                     f"or a function of the model returning one")
+
+
+def _call_plan(spec: str, plan: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """A function plan called on ``model``: its dict, or a ValueError (TypeError) naming what it did instead."""
+    try:
+        resolved = plan(model)
+    except Exception as exc:  # noqa: BLE001 - any error of a user's function is reported as the argument's
+        raise ValueError(f"--plan {spec!r}: calling it with the model ({type(model).__name__}) raised "
+                         f"{type(exc).__name__}: {exc}; expected a function of the model returning a plan dict "
+                         f"{{module path: spec}}") from None
+    if not isinstance(resolved, dict):
+        raise TypeError(f"--plan {spec!r}: called with the model it returned a {type(resolved).__name__}; "
+                         f"expected a plan dict {{module path: spec}}")
+    return resolved
+
+
+def build(spec: str, dtype: torch.dtype | None, seed: int) -> tuple[torch.nn.Module, tuple[Any, ...], dict[str, Any]]:
+    """The model and its inputs named by ``--model``, in ``dtype`` (None: as built)."""
     from dsp_plugin.testing.tiny_video import CASES, cast
 
     torch.manual_seed(seed)
@@ -70,13 +118,26 @@ def build(spec: str, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Module, tu
     else:
         raise TypeError(f"--model {spec!r}: inputs are {type(inputs).__name__}; expected a dict of keyword "
                         f"arguments, a tuple of positional ones, (args, kwargs), or example_inputs() giving one")
+    if dtype is None:
+        return model, args, kwargs
     return model.to(dtype), cast(args, dtype), cast(kwargs, dtype)
 
 
-def _rank(rank: int, n: int, model_spec: str, plan_spec: str | None, dtype: str, seed: int) -> Result:
-    from dsp_plugin.plan.compare import compare
-    from dsp_plugin.topology import Topology, set_topology
+def _fails_in(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The error of one forward and backward of ``model`` on one process (no collective), or None."""
+    from dsp_plugin.plan.args import tensors
 
+    try:
+        out = [t for t in tensors(model(*args, **kwargs)) if t.requires_grad]
+        if out:
+            sum(t.double().sum() for t in out).backward()
+        model.zero_grad(set_to_none=True)
+    except Exception as exc:  # noqa: BLE001 - any failure of the model in this dtype
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return None
+
+
+def _quiet() -> None:
     logging.getLogger("diffusers").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")  # third-party warnings out of the table
     try:
@@ -85,13 +146,32 @@ def _rank(rank: int, n: int, model_spec: str, plan_spec: str | None, dtype: str,
         diffusers_logging.set_verbosity_error()
     except ImportError:
         pass
+
+
+def _rank(rank: int, n: int, model_spec: str, plan_spec: str | None, dtype: str, seed: int) -> Result:
+    """One rank's check. ``dtype`` "auto": float64, else the model's own dtypes where the model fails in float64
+    on one process (every rank builds the same model and finds the same)."""
+    from dsp_plugin.plan.compare import compare
+    from dsp_plugin.topology import Topology, set_topology
+
+    _quiet()
     set_topology(Topology.world())
-    model, args, kwargs = build(model_spec, DTYPES[dtype], seed)
-    plan = _import(plan_spec, "--plan") if plan_spec else None
-    return compare(model, args, kwargs, plan, seed=seed)
+    mode, note = ("float64" if dtype == "auto" else dtype), ""
+    model, args, kwargs = build(model_spec, DTYPES[mode], seed)
+    if dtype == "auto":
+        error = _fails_in(model, args, kwargs)
+        if error is not None:
+            mode, note = "model", f"float64 fails on one process ({error})"
+            model, args, kwargs = build(model_spec, None, seed)
+    plan = load_plan(plan_spec) if plan_spec else None
+    if plan is not None and callable(plan):
+        plan = _call_plan(plan_spec, plan, model)
+    result = compare(model, args, kwargs, plan, seed=seed)
+    result.dtype_mode, result.dtype_note = mode, note
+    return result
 
 
-def run_check(model: str, plan: str | None = None, nproc: int = 2, dtype: str = "float64", seed: int = 0,
+def run_check(model: str, plan: str | None = None, nproc: int = 2, dtype: str = "auto", seed: int = 0,
               timeout: float = 600) -> list[Result]:
     """Each rank's ``Result`` of ``compare`` for ``--model``/``--plan`` on ``nproc`` gloo ranks."""
     from dsp_plugin.spawn import spawn
@@ -99,72 +179,40 @@ def run_check(model: str, plan: str | None = None, nproc: int = 2, dtype: str = 
     return spawn(_rank, nproc, model, plan, dtype, seed, timeout=timeout, collective_timeout_s=120)
 
 
-def _kib(n: int) -> str:
-    return f"{n} B" if n < 1024 else f"{n / 1024:.1f} KiB"
+def _validate(args: argparse.Namespace) -> None:
+    """Every argument, before a rank starts: a ValueError (or TypeError) naming the value and what was expected."""
+    from dsp_plugin.testing.tiny_video import CASES
 
-
-def _collectives(per_rank: list[dict[str, list[int]]]) -> str:
-    ops = sorted({op for d in per_rank for op in d})
-    return "; ".join(f"{per_rank[0].get(op, [0])[0]} {op} {_kib(max(d.get(op, [0, 0])[1] for d in per_rank))}"
-                     for op in ops) or "-"
-
-
-def _relative(diff: float | None, scale: float) -> float | None:
-    return None if diff is None else diff / scale if scale > 0 else diff
-
-
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else "0" if x == 0 else f"{x:.2g}"
-
-
-def report(results: list[Result], rtol: float, title: str) -> tuple[list[str], str | None]:
-    """(lines to print, the verdict line if something differs) from every rank's result."""
-    header = (f"{'module':<36} {'specs':<22} {'calls':>5}  {'forward':<28} {'backward':<28} "
-              f"{'output':>8} {'grads':>8}")
-    lines = [title, header]
-    outputs, gradients = [], []
-    for i, row in enumerate(results[0].modules):
-        rows: list[ModuleResult] = [r.modules[i] for r in results]
-        out = _relative(max((r.out_diff for r in rows if r.out_diff is not None), default=None),
-                        max(r.out_scale for r in rows))
-        grad = _relative(max((r.grad_diff for r in rows if r.grad_diff is not None), default=None),
-                         max(r.grad_scale for r in rows))
-        name = row.path or "(root)"
-        if out is not None and out > rtol:
-            outputs.append((row.finished, name))
-        if grad is not None and grad > rtol:
-            gradients.append((-row.finished, name))
-        flag = "  DIFFERS" if any(x is not None and x > rtol for x in (out, grad)) else ""
-        note = next((r.note for r in rows if r.note), "")
-        lines.append(f"{name:<36} {row.specs:<22} {row.calls:>5}  {_collectives([r.forward for r in rows]):<28} "
-                     f"{_collectives([r.backward for r in rows]):<28} {_fmt(out):>8} {_fmt(grad):>8}{flag}"
-                     + (f"  ({note})" if note else ""))
-    outside = [[r.outside.get(phase, {}) for r in results] for phase in ("forward", "backward")]
-    if any(outside[0]) or any(outside[1]):
-        lines.append(f"{ROOT:<36} {'':<22} {'':>5}  {_collectives(outside[0]):<28} {_collectives(outside[1]):<28}")
-    model = {k: max(getattr(r, k) for r in results) for k in ("out_diff", "out_scale", "input_grad_diff",
-                                                              "input_grad_scale", "grad_diff", "grad_scale")}
-    overall = {k: _relative(model[f"{k}_diff"], model[f"{k}_scale"]) for k in ("out", "input_grad", "grad")}
-    lines.append(f"model: output {_fmt(overall['out'])} (of |{model['out_scale']:.3g}|), input gradients "
-                 f"{_fmt(overall['input_grad'])} (of |{model['input_grad_scale']:.3g}|), parameter gradients "
-                 f"{_fmt(overall['grad'])} (of |{model['grad_scale']:.3g}|); differences relative to the "
-                 f"largest one-process value, rtol {rtol:g}")
-    notes = sorted({note for r in results for note in r.notes})
-    lines.extend(f"note: {note}" for note in notes)
-    if outputs:
-        first, *rest = [name for _, name in sorted(outputs)]
-        return lines, (f"DIFFERS: {first} is the first module whose output differs from one process (in forward "
-                       f"order" + (f"; then {', '.join(rest)})" if rest else ")"))
-    if gradients:
-        first, *rest = [name for _, name in sorted(gradients)]
-        return lines, (f"DIFFERS: the outputs agree; {first} is the first module whose parameters' gradients "
-                       f"differ (in backward order" + (f"; then {', '.join(rest)})" if rest else ")"))
-    if any(x is not None and x > rtol for x in overall.values()) or notes:
-        return lines, "DIFFERS: the model's output, input gradients or gradients differ (above)"
-    return lines, None
+    if args.nproc < 1:
+        raise ValueError(f"--nproc {args.nproc}: expected at least 1 rank")
+    for name in ("rtol", "atol"):
+        value = getattr(args, name)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"--{name} {value:g}: expected a finite tolerance >= 0 (a difference d of a tensor whose "
+                             f"largest one-process value is s fails when d > atol + rtol * s)")
+    if args.json and args.json != "-":
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if os.path.isdir(args.json) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--json {args.json!r}: expected a file path in a writable directory (or - for "
+                             f"stdout)")
+    if args.model not in CASES:
+        try:
+            made = _import(args.model, "--model")
+        except ValueError as exc:
+            raise ValueError(f"{exc} (built-in tiny models: {', '.join(CASES)})") from None
+        if not callable(made):
+            raise ValueError(f"--model {args.model!r} is a {type(made).__name__}; expected a function (or class) "
+                             f"returning (model, inputs) or a model with example_inputs()")
+    if args.plan:
+        plan = load_plan(args.plan)
+        if callable(plan):  # only a model tells what a function does: build it as a rank does
+            _quiet()
+            _call_plan(args.plan, plan, build(args.model, None, args.seed)[0])
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dsp_plugin.plan.check_report import derived_rtol, report, to_json
+
     parser = argparse.ArgumentParser(prog="python -m dsp_plugin.plan.check",
                                      description="One forward and backward of a model under a plan on N gloo ranks "
                                                  "against the model on one process, per planned module.")
@@ -173,38 +221,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", default=None, help="module:attribute of a plan (a dict or a function of the "
                                                      "model); default: the model's built-in plan")
     parser.add_argument("--nproc", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float64", help="default float64")
-    parser.add_argument("--rtol", type=float, default=1e-6,
-                        help="largest difference allowed, relative to the largest one-process value (default 1e-6)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="float64 (default; the model's own dtypes where the model fails in float64), float32, "
+                             "or model: its own dtypes, with a tolerance derived from them")
+    parser.add_argument("--rtol", type=float, default=None,
+                        help="largest difference allowed, relative to the largest one-process value of the tensor "
+                             "(default 1e-6 in float64, else derived from the dtypes the model computes in)")
+    parser.add_argument("--atol", type=float, default=0.0, help="absolute difference allowed on top (default 0)")
     parser.add_argument("--seed", type=int, default=0, help="torch.manual_seed before building (default 0)")
+    parser.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH (-: "
+                                                                     "print it instead of the table)")
     args = parser.parse_args(argv)
-    from dsp_plugin.testing.tiny_video import CASES
-
-    if args.nproc < 1:
-        parser.error(f"--nproc {args.nproc}: expected at least 1")
     try:  # before any process is spawned
-        if args.model not in CASES:
-            _import(args.model, "--model")
-        if args.plan:
-            _import(args.plan, "--plan")
-    except ValueError as exc:
-        parser.error(f"{exc} (built-in tiny models: {', '.join(CASES)})" if "--model" in str(exc) else str(exc))
+        _validate(args)
+    except (ValueError, TypeError) as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
     from dsp_plugin.spawn import SpawnError
 
+    fields = {"model_spec": args.model, "plan_spec": args.plan or "built-in"}
     try:
-        results = run_check(args.model, args.plan, args.nproc, args.dtype, args.seed)
+        results = run_check(args.model, args.plan, args.nproc, args.dtype or "auto", args.seed)
     except SpawnError as exc:
         print(f"dsp_plugin.plan.check: the run failed: {exc}", file=sys.stderr)
+        if args.json:
+            _write(args.json, to_json({"status": "FAILED", "verdict": f"the run failed: {exc}"}, **fields))
         return 2
+    mode = results[0].dtype_mode
+    rtol = args.rtol if args.rtol is not None else derived_rtol(mode, results[0].dtypes)
     title = (f"dsp_plugin.plan.check: --model {args.model}, plan {args.plan or 'built-in'}, {args.nproc} gloo "
-             f"ranks, {args.dtype}")
-    lines, verdict = report(results, args.rtol, title)
-    print("\n".join(lines))
-    if verdict is not None:
-        print(verdict)
-        return 1
-    print(f"OK: equal to one process on {args.nproc} ranks within rtol {args.rtol:g}")
-    return 0
+             f"ranks, " + ("the model's own dtypes (" + ", ".join(results[0].dtypes) + ")" if mode == "model"
+                           else mode))
+    verdict = report(results, rtol, args.atol, title, args.nproc)
+    lines = verdict.lines + [verdict.line]
+    if results[0].dtype_note:
+        lines.insert(1, f"dtype: {results[0].dtype_note}: checked in the model's own dtypes "
+                        f"({', '.join(results[0].dtypes)}), rtol {rtol:g} (--dtype float64 to insist)")
+    if args.json:
+        _write(args.json, to_json(verdict.data, **fields))
+    if args.json != "-":
+        print("\n".join(lines))
+    return 0 if verdict.status == "OK" else 1
+
+
+def _write(path: str, text: str) -> None:
+    if path == "-":
+        sys.stdout.write(text)
+    else:
+        with open(path, "w") as f:
+            f.write(text)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,10 @@
 Each rank runs the model twice: the reference, left alone (the one-process
 computation, repeated on every rank with no collective), and a deep copy
 parallelized with the plan; both on the same batch with the same fixed
-weighted-sum loss. Per call of each planned module, this rank's output is
-compared with the reference's output restricted to this rank's part: whole when
-replicated, else the chunk its shard tag names (``layout.ShardSpec``), or, for an
-untagged local activation (an attention module's output), the chunk the
-enclosing block's layout and placement name. The gradients of each module's
+weighted-sum loss. Per call of each planned module, every tensor of its output
+(tuples, lists, dicts, diffusers' output classes) is compared with the
+reference's tensor of the same name restricted to this rank's part, and so is
+its gradient in backward (``compare_outputs``). The gradients of each module's
 parameters, summed over the group (``reduce_gradients``, the project's
 convention), are compared with the reference's, and so are the model's outputs
 and the input gradients (partial per rank: summed).
@@ -29,17 +28,23 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dsp_plugin import layout as carrier
 from dsp_plugin.accounting import CommAccounting
-from dsp_plugin.comm import chunk_sizes, group_rank, group_size, reduce_gradients
+from dsp_plugin.comm import group_rank, group_size, reduce_gradients
 from dsp_plugin.comm.collectives import all_reduce_sum
-from dsp_plugin.packing import offsets
-from dsp_plugin.plan import ops
 from dsp_plugin.plan.args import expand, tensors
-from dsp_plugin.plan.frames import current_block
-from dsp_plugin.plan.spec import Grid
+from dsp_plugin.plan.compare_outputs import (
+    Element,
+    Placed,
+    difference,
+    largest,
+    named_tensors,
+    part_of,
+    place_output,
+    sum_replicated_grads,
+)
+from dsp_plugin.plan.spec import Block, Grid
 
-__all__ = ["ModuleResult", "Result", "compare", "resolve_plan"]
+__all__ = ["Element", "ModuleResult", "Result", "compare", "resolve_plan"]
 
 ROOT = "(model)"  # collectives issued outside every planned module
 
@@ -53,12 +58,18 @@ class ModuleResult:
     calls: int = 0
     forward: dict[str, list[int]] = field(default_factory=dict)
     backward: dict[str, list[int]] = field(default_factory=dict)
-    out_diff: float | None = None  # max |this rank's output - the reference's part of it|, over calls and tensors
-    out_scale: float = 0.0         # max |reference output|
+    elements: list[Element] = field(default_factory=list)  # every tensor of its output, over its calls
     grad_diff: float | None = None  # max |summed gradient - reference gradient| over the module's parameters
     grad_scale: float = 0.0
     note: str = ""
     finished: int = -1  # the order in which its first call finished (forward): an inner module before its parent
+
+    def element(self, name: str) -> Element:
+        found = next((e for e in self.elements if e.name == name), None)
+        if found is None:
+            found = Element(name)
+            self.elements.append(found)
+        return found
 
 
 @dataclass
@@ -72,6 +83,9 @@ class Result:
     grad_scale: float = 0.0
     outside: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # phase -> collectives outside modules
     notes: list[str] = field(default_factory=list)
+    dtypes: list[str] = field(default_factory=list)  # floating dtypes of the model's parameters and buffers
+    dtype_mode: str = ""  # set by the checker: float64, float32 or model (its own dtypes)
+    dtype_note: str = ""  # set by the checker: why the model was checked in its own dtypes
 
 
 def resolve_plan(model: nn.Module, plan: Any) -> dict[str, Any]:
@@ -118,28 +132,6 @@ class _Tracker(TorchDispatchMode):
         return out
 
 
-def _placement(t: torch.Tensor) -> Any:
-    """The shard tag of a module's output, else the enclosing block's (layout, grid, shard), read while it runs."""
-    spec = carrier.shard_spec(t)
-    if spec is None:
-        block = current_block()
-        if block is not None and t.dim() == len(block[2].dims):
-            spec = ops.spec_for(block[2], block[0], block[1])
-    return spec
-
-
-def _part(ref: torch.Tensor, local: torch.Tensor, spec: Any, n: int, rank: int) -> torch.Tensor | None:
-    """The part of the reference tensor ``ref`` that ``local`` (placed by ``spec``) holds on this rank."""
-    if local.shape == ref.shape:
-        return ref
-    if spec is None or spec.dim >= ref.dim() or ref.shape[spec.dim] != spec.global_len:
-        return None
-    sizes = chunk_sizes(spec.grid[spec.axis], n)
-    part = ref.unflatten(spec.dim, spec.grid).narrow(spec.dim + spec.axis, offsets(sizes)[rank], sizes[rank])
-    part = part.flatten(spec.dim, spec.dim + len(spec.grid) - 1)
-    return part if part.shape == local.shape else None
-
-
 def _dsp_group(group: Any) -> Any:
     if group is not None:
         return group
@@ -147,10 +139,6 @@ def _dsp_group(group: Any) -> Any:
 
     topology = get_topology()
     return None if topology is None else topology.dsp_group
-
-
-def _max(x: torch.Tensor) -> float:
-    return x.abs().max().item() if x.numel() else 0.0
 
 
 def _loss(out: Any, seed: int) -> torch.Tensor:
@@ -181,6 +169,8 @@ def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, .
     return tuple(fresh(a) for a in args), {k: fresh(v, k) for k, v in kwargs.items()}, leaves
 
 
+
+
 def compare(reference: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], plan: Any = None, *,
             group: Any = None, seed: int = 0) -> Result:
     """Run ``reference`` and a copy parallelized with ``plan`` on this rank (see the module docstring).
@@ -196,27 +186,39 @@ def compare(reference: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     n, rank = group_size(group), group_rank(group)
     entries = [(p, m, [s for s in specs if not isinstance(s, Grid)]) for p, m, specs in expand(model, plan)]
     rows = {p: ModuleResult(p, ", ".join(type(s).__name__ for s in specs) or "Grid") for p, _, specs in entries}
-    ref_outs: dict[str, list[list[torch.Tensor]]] = {p: [] for p in rows}
-    outs: dict[str, list[list[tuple[torch.Tensor, Any]]]] = {p: [] for p in rows}
+    ref_outs: dict[str, list[dict[str, Placed]]] = {p: [] for p in rows}
+    outs: dict[str, list[list[Placed]]] = {p: [] for p in rows}
     order: list[str] = []
     handles = []
+
+    def keep_grads(output: Any, placed: list[Placed]) -> None:
+        for (_, t), p in zip(named_tensors(output), placed):
+            if t.requires_grad:
+                t.register_hook(lambda g, p=p: setattr(p, "grad", None if g is None else g.detach()))
+
     ref_modules = dict(reference.named_modules())
     for path in rows:
         def keep(m: nn.Module, a: Any, o: Any, p: str = path) -> None:
-            ref_outs[p].append([t.detach() for t in tensors(o)])
+            placed = [Placed(name, t.detach(), None) for name, t in named_tensors(o)]
+            keep_grads(o, placed)
+            ref_outs[p].append({e.name: e for e in placed})
 
         handles.append(ref_modules[path].register_forward_hook(keep))
     parallelize(model, plan, group)
     acct = CommAccounting(activations=False)
     tracker = _Tracker(acct)
-    for path, module, _ in entries:
+    for path, module, specs in entries:
+        block_layout = next((s.layout for s in specs if isinstance(s, Block)), None)
+
         def pre(m: nn.Module, a: Any, p: str = path) -> None:
             tracker.enter(p)
             if p not in order:
                 order.append(p)
 
-        def post(m: nn.Module, a: Any, o: Any, p: str = path) -> None:
-            outs[p].append([(t.detach(), _placement(t)) for t in tensors(o)])
+        def post(m: nn.Module, a: Any, o: Any, p: str = path, lay: Any = block_layout) -> None:
+            placed = place_output(o, lay)
+            keep_grads(o, placed)
+            outs[p].append(placed)
             if rows[p].finished < 0:
                 rows[p].finished = sum(r.finished >= 0 for r in rows.values())
             tracker.leave()
@@ -241,15 +243,17 @@ def compare(reference: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     (out_ref, in_ref), (out_par, in_par) = results
     result = Result([])
-    result.out_diff = max((_max(a - b) for a, b in zip(out_par, out_ref)), default=0.0)
-    result.out_scale = max((_max(b) for b in out_ref), default=0.0)
+    held = [*reference.parameters(), *reference.buffers()]
+    result.dtypes = sorted({str(t.dtype).removeprefix("torch.") for t in held if t.is_floating_point()})
+    result.out_diff = max((difference(a, b) for a, b in zip(out_par, out_ref)), default=0.0)
+    result.out_scale = max((largest(b) for b in out_ref), default=0.0)
     for x, r in zip(in_par, in_ref):
         if (x.grad is None) != (r.grad is None):
             result.notes.append(f"an input's gradient is {'missing' if x.grad is None else 'extra'} under the plan")
         elif x.grad is not None:
             all_reduce_sum(x.grad, group=_dsp_group(group))  # each rank's input gradient is its partial
-            result.input_grad_diff = max(result.input_grad_diff, _max(x.grad - r.grad))
-            result.input_grad_scale = max(result.input_grad_scale, _max(r.grad))
+            result.input_grad_diff = max(result.input_grad_diff, difference(x.grad, r.grad))
+            result.input_grad_scale = max(result.input_grad_scale, largest(r.grad))
     reduce_gradients(model.named_parameters())
     ref_params = dict(reference.named_parameters())
     grads = {k: (p.grad, ref_params[k].grad) for k, p in model.named_parameters()}
@@ -257,27 +261,20 @@ def compare(reference: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         if (g is None) != (r is None):
             result.notes.append(f"parameter {k}: gradient {'missing' if g is None else 'extra'} under the plan")
     pairs = {k: v for k, v in grads.items() if v[0] is not None and v[1] is not None}
-    result.grad_diff = max((_max(g - r) for g, r in pairs.values()), default=0.0)
-    result.grad_scale = max((_max(r) for _, r in pairs.values()), default=0.0)
+    result.grad_diff = max((difference(g, r) for g, r in pairs.values()), default=0.0)
+    result.grad_scale = max((largest(r) for _, r in pairs.values()), default=0.0)
 
+    backward = _compare_outputs(rows, outs, ref_outs, n, rank)
+    note = sum_replicated_grads([(p, r.tensor) for _, p, r in backward], n, _dsp_group(group))
+    if note:
+        result.notes.append(note)
+    _compare_output_grads(backward, n, rank)
     for path, row in rows.items():
-        row.calls = len(outs[path])
-        if row.calls != len(ref_outs[path]):
-            row.note = f"called {row.calls} times, {len(ref_outs[path])} on one process"
-        for call, ref_call in zip(outs[path], ref_outs[path]):
-            for (t, spec), r in zip(call, ref_call):
-                part = _part(r, t, spec, n, rank)
-                row.out_scale = max(row.out_scale, _max(r))
-                if part is None:
-                    row.note = row.note or f"an output of shape {tuple(t.shape)} is not placed against " \
-                                           f"{tuple(r.shape)}: not compared"
-                    continue
-                row.out_diff = max(row.out_diff or 0.0, _max(t - part))
         prefix = "" if path == "" else path + "."
         own = [v for k, v in pairs.items() if k.startswith(prefix)]
         if own:
-            row.grad_diff = max(_max(g - r) for g, r in own)
-            row.grad_scale = max(_max(r) for _, r in own)
+            row.grad_diff = max(difference(g, r) for g, r in own)
+            row.grad_scale = max(largest(r) for _, r in own)
     for record, owner in zip(acct.records, tracker.owner):
         if owner in rows:
             bucket = getattr(rows[owner], record.phase)
@@ -288,3 +285,48 @@ def compare(reference: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
         entry[1] += max(record.bytes_sent, 0)
     result.modules = [rows[p] for p in order] + [rows[p] for p in rows if p not in order]
     return result
+
+
+def _compare_outputs(rows: dict[str, ModuleResult], outs: dict[str, list[list[Placed]]],
+                     ref_outs: dict[str, list[dict[str, Placed]]], n: int,
+                     rank: int) -> list[tuple[Element, Placed, Placed]]:
+    """Every output tensor of every call against the reference's (forward); returns what backward compares: the
+    placed tensors of every module but the model itself (its output's gradient is the loss's weights)."""
+    backward = []
+    for path, row in rows.items():
+        row.calls = len(outs[path])
+        if row.calls != len(ref_outs[path]):
+            row.note = f"called {row.calls} times, {len(ref_outs[path])} on one process"
+        for call, ref_call in zip(outs[path], ref_outs[path]):
+            for name in ref_call.keys() - {p.name for p in call}:
+                row.element(name).note = "missing under the plan"
+            for p in call:
+                element, r = row.element(p.name), ref_call.get(p.name)
+                if r is None:
+                    element.note = "not in the one-process output"
+                    continue
+                element.out_scale = max(element.out_scale, largest(r.tensor))
+                part = part_of(r.tensor, p.tensor, p.spec, n, rank)
+                if part is None:
+                    element.note = element.note or (f"shape {tuple(p.tensor.shape)} is not placed against "
+                                                     f"{tuple(r.tensor.shape)}: not compared")
+                    continue
+                element.out_diff = max(element.out_diff or 0.0, difference(p.tensor, part))
+                if path != "":
+                    backward.append((element, p, r))
+    return backward
+
+
+def _compare_output_grads(backward: list[tuple[Element, Placed, Placed]], n: int, rank: int) -> None:
+    """Each output tensor's gradient against the reference's part of it (replicated ones summed already)."""
+    for element, p, r in backward:
+        if p.grad is None and r.grad is None:
+            continue
+        mine = p.grad if p.grad is not None else torch.zeros_like(p.tensor)
+        ref = r.grad if r.grad is not None else torch.zeros_like(r.tensor)
+        part = part_of(ref, mine, p.spec, n, rank)
+        if part is None:
+            element.note = element.note or f"gradient of shape {tuple(mine.shape)} is not placed: not compared"
+            continue
+        element.grad_scale = max(element.grad_scale, largest(ref))
+        element.grad_diff = max(element.grad_diff or 0.0, difference(mine, part))
