@@ -151,6 +151,7 @@ RULES: list[Rule] = [
          tests=("tests/test_deepspeed_convention.py", "tests/test_deepspeed_gradients.py")),
     Rule(r"docs/deepspeed\.md:json", "run"),
     Rule(r"examples/train_wan_deepspeed\.py", "covered", tests=("tests/test_example_wan_deepspeed.py",)),
+    Rule(r"examples/evoformer_dap\.py", "covered", tests=("tests/test_evoformer_dap.py",)),
     # ---- sampling --------------------------------------------------------------------------------------------
     Rule(r"^README\.md:bash:\.venv/bin/torchrun --nproc-per-node 2 -m dsp_plugin\.launch\.sample_latte",
          "run",
