@@ -8,10 +8,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 LOSS = re.compile(r" iteration\s+(\d+)/\s*\d+ \|.*?\| loss: ([0-9.E+-]+) \|")
 VALIDATION = re.compile(r"validation loss at iteration (\d+)( on validation set)? \| loss value: ([0-9.E+-]+)")
 RECOMPUTE = ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+#: linear warm-up over 2 iterations, then cosine decay to 1e-4 over --train-iters: the LR changes every iteration,
+#: so a scheduler restored at the wrong step shows in the next loss (Megatron's Adam, the launch's default)
+SCHEDULE = ["--lr-warmup-iters", "2", "--lr-decay-style", "cosine", "--min-lr", "1e-4"]
+#: hidden and attention dropout: every training iteration draws its masks from the CPU generator
+#: (``dsp_plugin.megatron.dropout``), which a resume must restore (Megatron's checkpoint holds it)
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 
 
 def cpu_env() -> dict[str, str]:
@@ -30,6 +38,20 @@ def launch(*extra: str, iters: int = 3, **knobs: str) -> tuple[dict[int, float],
     assert proc.returncode == 0, f"launch {knobs} {extra} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     assert "sequence parallel mode: " + knobs.get("MODE", "dsp") in proc.stdout
     return {int(m.group(1)): float(m.group(2)) for m in LOSS.finditer(proc.stdout)}, proc.stdout
+
+
+def checkpoint_tensors(ckpt: str | Path, iteration: int) -> dict[str, torch.Tensor]:
+    """Every tensor of the torch_dist checkpoint ``ckpt/iter_{iteration}`` (the model's weights by their
+    ``sharded_state_dict`` keys, whole, and ``optimizer.*``: Adam's moments), read in this process."""
+    from torch.distributed.checkpoint import FileSystemReader, load
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = FileSystemReader(str(Path(ckpt) / f"iter_{iteration:07d}"))
+    meta = reader.read_metadata().state_dict_metadata
+    tensors = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in meta.items()
+               if isinstance(m, TensorStorageMetadata)}
+    load(tensors, storage_reader=reader, no_dist=True)
+    return tensors
 
 
 def tensorboard_losses(board: Path) -> dict[int, float] | None:

@@ -1,13 +1,18 @@
 """Megatron's own ``--save/--load`` (torch_dist, through the model's ``sharded_state_dict``) at
-TP=2 x DSP=2 and PP=2 x DSP=2: resuming gives the uninterrupted loss bit-exactly.
+TP=2 x DSP=2 and PP=2 x DSP=2: a resumed run equals the uninterrupted run bit for bit, for every
+iteration after the resume.
 
-Each layout: a run saves at iteration 2 and goes on to 3; a second run loads
-iteration 2 (RNG state included, no ``--no-load-rng``) **with full recompute**
-(``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``)
-and must log the same iteration-3 loss: this checks the checkpoint (TP shards and
-pipeline layer offsets) and that recompute leaves the losses unchanged. The comparison
-is on TensorBoard's float32 ``loss`` scalars (bit-exact) when tensorboard is installed,
-on Megatron's 7-digit log line otherwise.
+Each layout, two launches: the uninterrupted run (6 iterations) saves at iteration 2 (and 4, 6); the
+second run loads iteration 2 (RNG states included, no ``--no-load-rng``) **with full recompute**
+(``--recompute-granularity full --recompute-method uniform --recompute-num-layers 1``) and runs
+iterations 3-6. Both train with what a resume must carry: Megatron's Adam (its moments), a
+learning rate that changes every iteration (warm-up, then cosine decay), the data position (consumed
+samples) and hidden and attention dropout (masks from the CPU generator the checkpoint restores).
+Iterations 3-6 are compared on TensorBoard's float32 ``loss`` scalars (each iteration's own loss)
+and on Megatron's log lines: iteration 6's loss shows the third optimizer step after the resume.
+This also checks the checkpoint's TP shards and pipeline layer offsets, and that recompute (which
+replays the dropout masks) leaves the losses unchanged. The DSP=1, DSP=2 and DSP=2 -> DSP=4 resumes
+are in ``test_megatron_launch.py`` (they share its 20-iteration runs).
 """
 
 from __future__ import annotations
@@ -15,24 +20,30 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip("megatron.training")
+pytest.importorskip("tensorboard")
 
-from tests.megatron_launch import RECOMPUTE, launch, tensorboard_losses  # noqa: E402
+from tests.megatron_launch import DROPOUT, RECOMPUTE, SCHEDULE, launch, tensorboard_losses  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+ITERS, SAVED = 6, 2
 
 
 @pytest.mark.parametrize("layout", [{"TP": "2", "DSP": "2"}, {"PP": "2", "DSP": "2"}], ids=["TP2xDSP2", "PP2xDSP2"])
 def test_resume_is_bit_exact_with_and_without_recompute(layout: dict[str, str], tmp_path) -> None:
     ckpt, boards = str(tmp_path / "ckpt"), [tmp_path / "tb_uninterrupted", tmp_path / "tb_resumed"]
-    uninterrupted, _ = launch("--save", ckpt, "--save-interval", "2", "--tensorboard-dir", str(boards[0]),
-                              NPROC="4", **layout)
-    resumed, out = launch("--load", ckpt, "--ckpt-step", "2", "--tensorboard-dir", str(boards[1]), *RECOMPUTE,
-                          NPROC="4", **layout)
+    uninterrupted, _ = launch("--save", ckpt, "--save-interval", str(SAVED), "--tensorboard-dir", str(boards[0]),
+                              *SCHEDULE, *DROPOUT, iters=ITERS, NPROC="4", **layout)
+    resumed, out = launch("--load", ckpt, "--ckpt-step", str(SAVED), "--tensorboard-dir", str(boards[1]),
+                          *SCHEDULE, *DROPOUT, *RECOMPUTE, iters=ITERS, NPROC="4", **layout)
     assert "successfully loaded checkpoint" in out and "Unable to load rng state" not in out
     exact = [tensorboard_losses(board) for board in boards]
+    after = list(range(SAVED + 1, ITERS + 1))
     print(f"\n{layout}: uninterrupted {uninterrupted}, resumed with full recompute {resumed}; "
           f"TensorBoard: {exact}")
-    assert sorted(uninterrupted) == [1, 2, 3] and sorted(resumed) == [3]
-    assert resumed[3] == uninterrupted[3]
-    if exact[0] is not None:
-        assert sorted(exact[1]) == [3] and exact[1][3] == exact[0][3]
+    assert sorted(uninterrupted) == list(range(1, ITERS + 1)) and sorted(resumed) == after
+    assert sorted(exact[1]) == after, exact
+    for i in after:
+        assert exact[1][i] == exact[0][i], f"iteration {i}: resumed {exact[1][i]!r}, uninterrupted {exact[0][i]!r}"
+        assert resumed[i] == uninterrupted[i], f"iteration {i}'s log line: resumed {resumed[i]}, " \
+                                               f"uninterrupted {uninterrupted[i]}"
