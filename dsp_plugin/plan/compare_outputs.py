@@ -54,7 +54,7 @@ def named_tensors(out: Any, name: str = "output") -> list[tuple[str, torch.Tenso
     if isinstance(out, (tuple, list)) and not hasattr(out, "_fields"):
         return [nt for i, o in enumerate(out) for nt in named_tensors(o, f"{name}[{i}]")]
     if isinstance(out, dict):
-        attrs = not type(out) is dict and all(isinstance(k, str) and k.isidentifier() for k in out)
+        attrs = type(out) is not dict and all(isinstance(k, str) and k.isidentifier() for k in out)
         return [nt for k, o in out.items() for nt in named_tensors(o, f"{name}.{k}" if attrs else f"{name}[{k!r}]")]
     return []
 
