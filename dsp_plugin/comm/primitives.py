@@ -12,9 +12,7 @@ of the group holds one ``torch.tensor_split`` chunk of tensor dim ``d``;
 primitive          placement       collective                backward
 =================  ==============  ========================  ==================
 split              R    -> S(t)    none (local chunk)        gather
-gather             S(c) -> R       one all_gather            split
-gather(partial_    S(c) -> R       one all_gather            reduce_scatter
-  grad=True)
+gather             S(c) -> R       one all_gather            split; partial_grad=True: reduce_scatter
 dynamic_switch     S(c) -> S(t)    one all_to_all_single     switch S(t)->S(c)
 =================  ==============  ========================  ==================
 
