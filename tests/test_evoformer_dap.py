@@ -16,9 +16,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
-import evoformer_dap  # noqa: E402
+import evoformer_dap
 
-from tests.distributed import run_distributed  # noqa: E402
+from tests.distributed import run_distributed
 
 
 def _compare(rank: int, n: int) -> dict[str, Any]:
@@ -31,7 +31,7 @@ def test_evoformer_dap_matches_one_process(world_size: int) -> None:
         result = report["modes"]["partial"]
         for key in ("output", "param_grad", "input_grad"):
             assert result[key] < 1e-12, (f"rank {report['rank']}: {key} differs from one process by "
-                                         f"{result[key]:.3g}", result)
+                                         f"{result[key]:.3g}: {result}")
         traffic = result["traffic"]
         assert "all_reduce/backward" not in traffic, traffic
         assert traffic == report["dap"], (f"rank {report['rank']}: a block's collectives {traffic} are not DAP's "

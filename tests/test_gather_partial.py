@@ -52,7 +52,7 @@ def test_backward_is_the_sum_of_the_ranks_gradients(world_size: int) -> None:
     for res in run_distributed(_backward_is_the_sum, world_size):
         for case, r in zip(CASES, res):
             assert r["backward"], (f"{case}: gather(partial_grad=True)'s backward is not the sum over the ranks of "
-                                   f"their gradients, this rank's chunk", r)
+                                   f"their gradients, this rank's chunk: {r}")
             assert r["forward"] and r["adjoint"], (case, r)
             assert r["ops"] == [("all_gather", "forward"), ("reduce_scatter", "backward")], (case, r["ops"])
 
@@ -163,7 +163,7 @@ def _plan_gather(rank: int, n: int) -> dict[str, object]:
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_plan_gather_partial_grad_matches_one_process(world_size: int) -> None:
     for rank, res in enumerate(run_distributed(_plan_gather, world_size)):
-        assert max(res["grads"].values()) < 1e-12, (rank, "Gather(partial_grad=True): parameter gradients after "
-                                                    "reduce_gradients differ from one process", res["grads"])
+        assert max(res["grads"].values()) < 1e-12, (f"rank {rank}: Gather(partial_grad=True): parameter gradients "
+                                                    f"after reduce_gradients differ from one process: {res['grads']}")
         assert res["output"] < 1e-12 and res["input"] < 1e-12, (rank, res)
         assert res["backward"] == ["reduce_scatter"], res["backward"]  # the partial gather's; no all_reduce
