@@ -29,6 +29,8 @@ BUILTIN = ("tiny-wan", "tiny-latte")
 OUTPUTS = (".mp4", ".gif", ".pt")
 DTYPES = ("float32", "bfloat16", "float16")
 PROG = "dsp-sample"
+#: a pipeline directory's default video (Wan's published size; Latte: its transformer's video_length if it says)
+DIRECTORY_FRAMES, DIRECTORY_HEIGHT, DIRECTORY_WIDTH = {"wan": 81, "latte": 16}, 480, 832
 #: --vae-tiling on tiny-wan: diffusers' default tiles (256 pixels) exceed its 16x16 video; these make 2x2 tiles there
 TINY_WAN_TILES = {"tile_sample_min_height": 12, "tile_sample_min_width": 12, "tile_sample_stride_height": 8,
                   "tile_sample_stride_width": 8}
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--negative-prompt", default="blurry", help="the negative prompt (classifier-free guidance)")
     p.add_argument("--num-frames", type=int, default=None,
                    help="video frames (default: tiny-wan 9, tiny-latte 7, a pipeline directory 81 for Wan, "
-                        "16 for Latte)")
+                        "its transformer's video_length for Latte)")
     p.add_argument("--height", type=int, default=None, help="pixels (default: 16 for the tiny models, else 480)")
     p.add_argument("--width", type=int, default=None, help="pixels (default: 16 for the tiny models, else 832)")
     p.add_argument("--steps", type=int, default=4, help="denoising steps (default 4)")
@@ -96,6 +98,9 @@ def check_args(args: argparse.Namespace, torchrun_world: int | None) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             fail(f"--{name.replace('_', '-')} {value}: expected a positive integer")
+    if not 0 < args.timeout < float("inf"):  # 0 would fail the rendezvous itself ("timed out after 0ms")
+        fail(f"--timeout {args.timeout:g}: expected a positive number of seconds (how long a collective may wait "
+             f"for a peer)")
     for out in args.output:
         if Path(out).suffix not in OUTPUTS:
             fail(f"--output {out}: expected a file ending in {', '.join(OUTPUTS)}")
@@ -131,6 +136,20 @@ def check_args(args: argparse.Namespace, torchrun_world: int | None) -> int:
     else:
         world = (args.dsp or 1) * cfg
     dsp = world // cfg
+    if args.model not in BUILTIN:  # the saved pipeline's configs say what sizes it takes (no weight loaded)
+        from dsp_plugin.launch.pipeline_sizes import check_pipeline_sizes, latte_video_length, pipeline_kind
+
+        kind = pipeline_kind(args.model)
+        if kind == "latte" and args.num_frames is None:  # the frames its temporal position table holds
+            args.num_frames = latte_video_length(args.model)
+        defaults = tuple(f for f, v in (("num-frames", args.num_frames), ("height", args.height),
+                                        ("width", args.width)) if v is None)
+        try:
+            check_pipeline_sizes(args.model, frames=args.num_frames or DIRECTORY_FRAMES.get(kind or "wan", 81),
+                                 height=args.height or DIRECTORY_HEIGHT, width=args.width or DIRECTORY_WIDTH,
+                                 dsp=dsp, defaults=defaults)
+        except ValueError as exc:
+            fail(str(exc))
     if args.model in BUILTIN:
         frames = args.num_frames or (9 if args.model == "tiny-wan" else 7)
         latent = (frames - 1) // 2 + 1 if args.model == "tiny-wan" else frames
@@ -208,14 +227,15 @@ def call_arguments(args: argparse.Namespace, kind: str, pipe: Any, device: Any) 
     import torch
 
     tiny = args.model in BUILTIN
-    common = {"height": args.height or (16 if tiny else 480), "width": args.width or (16 if tiny else 832),
+    common = {"height": args.height or (16 if tiny else DIRECTORY_HEIGHT),
+              "width": args.width or (16 if tiny else DIRECTORY_WIDTH),
               "num_inference_steps": args.steps, "guidance_scale": args.guidance, "output_type": "np",
               "generator": torch.Generator().manual_seed(args.seed)}
     if kind == "wan":
         return {**common, "prompt": args.prompt, "negative_prompt": args.negative_prompt,
-                "num_frames": args.num_frames or (9 if tiny else 81),
+                "num_frames": args.num_frames or (9 if tiny else DIRECTORY_FRAMES["wan"]),
                 "max_sequence_length": args.max_sequence_length or (16 if tiny else 512)}
-    frames = args.num_frames or (7 if tiny else 16)
+    frames = args.num_frames or (7 if tiny else DIRECTORY_FRAMES["latte"])
     if pipe.text_encoder is None:       # the tiny Latte has no T5: seeded stand-ins for its embeddings
         from dsp_plugin.log import get_logger
         from dsp_plugin.testing.tiny import tiny_prompt_embeds
