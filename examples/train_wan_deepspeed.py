@@ -40,10 +40,16 @@ import torch.distributed as dist
 import dsp_plugin
 from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.deepspeed import checkpoint, initialize  # DSP (was: deepspeed.initialize)
+from dsp_plugin.failures import launch_main, reporting
+from dsp_plugin.launch.cli import argument_errors, usage_error
+from dsp_plugin.launch.paths import check_output_file
 from dsp_plugin.log import get_logger, setup
 from dsp_plugin.steplog import log_first_call
 
 log = get_logger("dsp_plugin.examples.train_wan_deepspeed")
+PROG = "train_wan_deepspeed.py"
+#: the tiny model's patch (frames, rows, columns) and RoPE positions per axis (build_model)
+TINY_PATCH, TINY_ROPE = (1, 2, 2), 32
 
 
 class WanLatents(torch.utils.data.Dataset):
@@ -61,8 +67,14 @@ class WanLatents(torch.utils.data.Dataset):
                 torch.randn(self.latent, generator=g), torch.rand((), generator=g))
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """One line, exit 2, and under torchrun its error file (argparse's own exit writes none)."""
+        usage_error(PROG, message, ValueError(message))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="'tiny' (random weights) or a WanTransformer3DModel directory")
     p.add_argument("--dsp", type=int, default=2, help="DSP size: ranks sharing one video (default 2)")
     p.add_argument("--zero", type=int, default=2, choices=(0, 1, 2, 3), help="ZeRO stage (default 2)")
@@ -85,15 +97,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load-dir", default=None, help="resume from this directory's latest checkpoint")
     p.add_argument("--losses-json", default=None, help="rank 0 writes {step: loss} here")
     p.add_argument("--timeout", type=float, default=120, help="seconds a collective waits for a peer")
-    args = p.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return p.parse_args(argv)
+
+
+def _model_geometry(model: str) -> tuple[tuple[int, int, int], int | None]:
+    """(patch, RoPE positions per axis) of ``--model``: the tiny one's, or a saved model's ``config.json``."""
+    if model == "tiny":
+        return TINY_PATCH, TINY_ROPE
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--model {model}: no readable config.json ({exc}); expected 'tiny' or a directory "
+                         f"written by WanTransformer3DModel.save_pretrained") from None
+    return tuple(config.get("patch_size", TINY_PATCH)), config.get("rope_max_seq_len")  # type: ignore[return-value]
+
+
+def check_args(args: argparse.Namespace, world: int) -> None:
+    """Every check that needs only the arguments and files: alike on every rank, before any collective
+    (``ValueError`` / ``CheckpointError`` naming the value and what was expected)."""
+    for name in ("dsp", "micro_batch", "samples", "frames", "size", "text_len", "save_every"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value}: expected a positive integer")
+    if not 0 < args.timeout < float("inf"):
+        raise ValueError(f"--timeout {args.timeout:g}: expected a positive number of seconds")
     if world % args.dsp:
-        p.error(f"--dsp {args.dsp} does not divide the world size {world}; expected a divisor of {world}")
+        raise ValueError(f"--dsp {args.dsp} does not divide the world size {world}; expected a divisor of {world}")
+    per_step = args.micro_batch * (world // args.dsp)
+    if args.samples < per_step:   # the loader would hold no batch: StopIteration at the first step
+        raise ValueError(f"--samples {args.samples}: a step takes --micro-batch {args.micro_batch} x "
+                         f"{world // args.dsp} data-parallel ranks = {per_step} samples; expected --samples >= "
+                         f"{per_step}")
     if args.frames < args.dsp:
-        p.error(f"--frames {args.frames} leaves a rank of --dsp {args.dsp} without a frame; expected >= {args.dsp}")
+        raise ValueError(f"--frames {args.frames} leaves a rank of --dsp {args.dsp} without a frame; expected "
+                         f">= {args.dsp}")
+    patch, rope = _model_geometry(args.model)
+    axes = (("--frames", args.frames, patch[0], "frames"), ("--size", args.size, patch[1], "rows"),
+            ("--size", args.size, patch[2], "columns"))
+    for flag, value, step, axis in axes:
+        if value % step:
+            raise ValueError(f"{flag} {value}: the model's patch is {'x'.join(map(str, patch))}, so its {axis} "
+                             f"need a multiple of {step}; expected e.g. {flag} {value + step - value % step}")
+        if rope is not None and value // step > rope:
+            raise ValueError(f"{flag} {value} gives {value // step} tokens along its {axis}, more than the model's "
+                             f"rope_max_seq_len {rope}; expected {flag} <= {rope * step}")
     if args.save_every is not None and not args.save_dir:
-        p.error("--save-every needs --save-dir")
-    return args
+        raise ValueError("--save-every needs --save-dir")
+    if args.save_dir:
+        checkpoint.check_save_dir(args.save_dir)
+    if args.losses_json:   # rank 0 writes it after training: every rank checks the same path before
+        check_output_file("--losses-json", args.losses_json)
+    if args.load_dir:
+        checkpoint.check_load_dir(args.load_dir)       # a missing, mixed or altered checkpoint
+        saved = checkpoint.saved_sizes(args.load_dir)
+        if saved["dsp_size"] is not None and saved["dsp_size"] != args.dsp:
+            raise ValueError(f"--load-dir {args.load_dir} was saved at --dsp {saved['dsp_size']} on "
+                             f"{saved['world_size']} ranks, this run asks --dsp {args.dsp}: its data-parallel "
+                             f"ranks, and so the batches and the loader's position, differ; expected --dsp "
+                             f"{saved['dsp_size']} (with --nproc-per-node {saved['world_size']}) to resume it, "
+                             f"or no --load-dir to start a new run")
 
 
 def ds_config(args: argparse.Namespace, world: int) -> dict[str, Any]:
@@ -133,15 +195,14 @@ def flow_matching_loss(engine: Any, batch: list[torch.Tensor], dtype: torch.dtyp
     return torch.nn.functional.mse_loss(prediction.float(), (noise - x0).float())
 
 
+@launch_main   # torchrun's error file; this rank's error posted for its peers, a peer's named (PeerFailure)
 def main(argv: list[str] | None = None) -> dict[int, float]:
     setup()
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if args.save_dir:
-        checkpoint.check_save_dir(args.save_dir)      # before any collective, on every rank
-    if args.load_dir:
-        checkpoint.check_load_dir(args.load_dir)
+    with argument_errors(PROG, checkpoint.CheckpointError, OSError):   # one line per rank, exit 2, before any
+        check_args(args, world)                                        # collective
     from deepspeed.accelerator import get_accelerator
 
     from dsp_plugin.deepspeed import skip_cpu_shm_build
@@ -150,7 +211,8 @@ def main(argv: list[str] | None = None) -> dict[int, float]:
     deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
                                     timeout=datetime.timedelta(seconds=args.timeout))
     try:
-        return train(args, world)
+        with reporting():   # an error on one rank, in the forward or outside it, reaches the others by name
+            return train(args, world)
     finally:
         dsp_plugin.set_topology(None)
         if dist.is_initialized():

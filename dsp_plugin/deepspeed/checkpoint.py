@@ -48,8 +48,9 @@ import torch.distributed as dist
 from dsp_plugin import rng
 from dsp_plugin.deepspeed.comm import all_gather_rows
 from dsp_plugin.log import get_logger
+from dsp_plugin.topology import get_topology
 
-__all__ = ["SAVE_ID_KEY", "CheckpointError", "check_load_dir", "check_save_dir", "load", "save"]
+__all__ = ["SAVE_ID_KEY", "CheckpointError", "check_load_dir", "check_save_dir", "load", "save", "saved_sizes"]
 
 SAVE_ID_KEY = "dsp_save_id"
 _MANIFEST = "dsp_manifest_rank{}.json"
@@ -113,7 +114,7 @@ def save(engine: Any, save_dir: str | os.PathLike, *, step: int, client_state: d
         engine.save_checkpoint(str(path), tag=tag, client_state=state, save_latest=False)  # ends with a barrier
         files = _files(path / tag)
         mine = {str(f.relative_to(path / tag)): _hash(f) for i, f in enumerate(files) if i % world == rank}
-        manifest = {"save_id": save_id, "tag": tag, "world_size": world, "files": mine}
+        manifest = {"save_id": save_id, "tag": tag, "world_size": world, "dsp_size": _dsp_size(), "files": mine}
         (path / tag / _MANIFEST.format(rank)).write_text(json.dumps(manifest, indent=1))
     except (OSError, RuntimeError) as exc:
         full = _write_failure(exc, path / tag)
@@ -146,6 +147,20 @@ def _write_failure(exc: BaseException, where: Path) -> CheckpointError | None:
                            f"filesystem mounted at {str(mount)!r} has {usage.free / 2**30:.2f} GiB free of "
                            f"{usage.total / 2**30:.2f} GiB (or a quota or file-size limit was hit); free space "
                            f"there or pass another --save-dir. The previous complete save is still 'latest'.")
+
+
+def _dsp_size() -> int | None:
+    topology = get_topology()
+    return None if topology is None else topology.dsp
+
+
+def saved_sizes(load_dir: str | os.PathLike) -> dict[str, int | None]:
+    """``{"world_size", "dsp_size"}`` of the save ``latest`` names, from its manifest (files only, no collective),
+    so a launch can refuse a resume at other sizes before it starts; ``dsp_size`` is None for a save made without
+    an installed topology or before manifests recorded it. Call after ``check_load_dir``."""
+    path = Path(load_dir)
+    record = json.loads((path / (path / "latest").read_text().strip() / _MANIFEST.format(0)).read_text())
+    return {"world_size": record.get("world_size"), "dsp_size": record.get("dsp_size")}
 
 
 def check_load_dir(load_dir: str | os.PathLike) -> tuple[str, str]:
