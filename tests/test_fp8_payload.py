@@ -137,13 +137,19 @@ def test_ranks_disagreeing_on_the_wire_format_stop_before_the_all_to_all(op: str
     assert expected in messages[0], messages[0]
 
 
+#: the largest value a finite value travels as: e4m3 has no infinity, so a step below its maximum (which stands for
+#: +-inf); e5m2 has its own, so its maximum
+FINITE_TOP = {torch.float8_e4m3fn: 416.0, torch.float8_e5m2: 57344.0}
+
+
 def _reference_chunk(chunk: torch.Tensor, fmt: torch.dtype) -> bytes:
     """One chunk on the wire, by the format's definition: its values / scale in ``fmt``, then the float32 scale."""
     flat = chunk.reshape(-1).float()
     top = torch.finfo(fmt).max
-    amax = flat.abs().max() if flat.numel() else torch.zeros(())
-    scale = (amax / top).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
-    wire = (flat / scale).clamp(-top, top).to(fmt)
+    finite = flat[torch.isfinite(flat)]
+    amax = finite.abs().max() if finite.numel() else torch.zeros(())
+    scale = (amax / FINITE_TOP[fmt]).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    wire = ((flat / scale).clamp(-top, top) if fmt == torch.float8_e4m3fn else flat / scale).to(fmt)
     return bytes(wire.view(torch.uint8).tolist()) + bytes(scale.view(torch.uint8).tolist())
 
 
@@ -177,3 +183,51 @@ def test_encode_is_the_per_chunk_format_and_decode_its_inverse(lengths: tuple[in
                 assert torch.equal(b, c)
             else:
                 assert (b.float() - c.float()).abs().max() <= 0.07 * c.float().abs().max(), (j, f)
+
+
+def test_finite_top_is_the_value_below_e4m3s_maximum() -> None:
+    top = torch.tensor(torch.finfo(torch.float8_e4m3fn).max).to(torch.float8_e4m3fn)
+    assert (top.view(torch.uint8) - 1).view(torch.float8_e4m3fn).item() == FINITE_TOP[torch.float8_e4m3fn]
+    assert FINITE_TOP[torch.float8_e5m2] == torch.finfo(torch.float8_e5m2).max
+    assert torch.tensor(float("inf")).to(torch.float8_e5m2).float().item() == float("inf")
+
+
+@pytest.mark.parametrize("fmt", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("lengths", [(240, 240), (240, 17)])
+def test_non_finite_values_arrive_as_sent(fmt: torch.dtype, lengths: tuple[int, int]) -> None:
+    """An ``inf`` in a chunk used to make its scale infinite and all 240 values NaN; now ``inf``, ``-inf`` and
+    ``NaN`` arrive as they were sent (the exact wire's result) and the finite values keep their own scale, in
+    the equal-length and the uneven path."""
+    from dsp_plugin.comm import payload
+
+    g = torch.Generator().manual_seed(3)
+    rows = [[torch.randn(n, generator=g).to(torch.bfloat16)] for n in lengths]
+    rows[0][0][5], rows[0][0][7], rows[0][0][9] = float("inf"), float("-inf"), float("nan")
+    rows[1][0][:] = float("inf")                                     # a chunk of infinities alone
+    send, _ = payload.encode(rows, [fmt])
+    assert bytes(send[:lengths[0] + SCALE].tolist()) == _reference_chunk(rows[0][0], fmt)
+    back = payload.decode(send, [[(n,)] for n in lengths], [fmt], torch.bfloat16)
+    got, sent = back[0][0].float(), rows[0][0].float()
+    finite = torch.isfinite(sent)
+    assert torch.equal(got[~finite].isnan(), sent[~finite].isnan()), got[~finite]
+    assert torch.equal(got[~finite].nan_to_num(), sent[~finite].nan_to_num()), got[~finite]   # +-inf kept
+    assert int(got.isnan().sum()) == 1 and int(got.isinf().sum()) == 2, got
+    assert (got[finite] - sent[finite]).abs().max() <= 0.07 * sent[finite].abs().max()
+    assert torch.equal(back[1][0], rows[1][0])
+
+
+def _non_finite_switch_worker(rank: int, n: int) -> list[torch.Tensor]:
+    from dsp_plugin.comm import dynamic_switch, split
+
+    full = torch.randn(2, 4, 6, 5, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    full[0, 0, 5, 1] = float("inf")       # rank 0's frame, rank 1's patches: it travels
+    full[1, 3, 0, 2] = float("-inf")      # rank 1's frame, rank 0's patches: it travels
+    return [dynamic_switch(split(full, 1), 1, 2, global_len=4, comm_dtype=c) for c in (None, "fp8")]
+
+
+def test_an_inf_through_the_fp8_switch_stays_one_inf() -> None:
+    """The issue's case through the switch on 2 ranks: the FP8 wire gives the exact wire's non-finite values."""
+    for rank, (exact, fp8) in enumerate(run_distributed(_non_finite_switch_worker, 2)):
+        assert int(exact.isinf().sum()) == 1, rank
+        assert torch.equal(fp8.isinf(), exact.isinf()) and torch.equal(fp8[fp8.isinf()], exact[exact.isinf()]), rank
+        assert not fp8.isnan().any(), rank

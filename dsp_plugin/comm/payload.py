@@ -4,9 +4,10 @@
 chunk -- one tensor's block for one destination rank -- as FP8 bytes followed by
 its scale (4 bytes, float32), all in the same ``all_to_all_single`` of one flat
 ``uint8`` buffer, and casts back to the activation's dtype after the receive.
-The scale is ``amax(|chunk|) / max(format)``, computed on the device (no host
-sync). A chunk of ``e`` elements of a 2-byte activation therefore costs ``e + 4``
-bytes instead of ``2 e``: per rank and per tensor, ``(bf16 bytes) / 2 + 4 (N - 1)``,
+The scale is ``amax(|finite values of the chunk|) / top(format)``, computed on the
+device (no host sync): e4m3 has no infinity, so its maximum (448) stands for one and
+``top`` is the value below it (416); e5m2 has its own, and ``top`` is its maximum (57344).
+A chunk of ``e`` elements of a 2-byte activation therefore costs ``e + 4`` bytes instead of ``2 e``: per rank and per tensor, ``(bf16 bytes) / 2 + 4 (N - 1)``,
 what ``CommAccounting`` reports, since it counts the ``uint8`` buffer actually sent.
 The block a rank keeps for itself never travels, so it is kept exact.
 
@@ -20,6 +21,11 @@ prints it): mean relative round-trip error 0.022 / 0.025 in e4m3 against
 0.034 / 0.052 in e5m2, and no element flushed to zero in either.
 ``Payload(grad=torch.float8_e5m2)`` selects e5m2 for a model whose gradient
 chunks span more than e4m3's ~2^17.
+
+Non-finite values arrive as they were sent, as on the exact wire: ``+inf`` and ``-inf``
+come back infinite (in e4m3 they travel as +-448), ``NaN`` as NaN, and the
+chunk's finite values keep their own scale (an ``inf`` taken into the amax made the scale
+infinite and every value of the chunk NaN). Nothing is refused: telling would need a host sync.
 
 A tensor that must stay exact (K in the head switch: attention logits amplify its
 error) is named in ``exact``: its chunks travel as raw bytes of its dtype in the
@@ -105,9 +111,29 @@ def round_trip_errors() -> Iterator[list[dict[str, Any]]]:
         _measured = outer
 
 
+def _limits(fmt: torch.dtype) -> tuple[float, float]:
+    """``fmt``'s (largest value a finite value travels as, what stands for +-inf on the wire): e4m3fn has no
+    infinity, so its maximum (448) stands for one and finite values stop a step below (416); e5m2's cast is not
+    saturating (after the scale a finite value never exceeds its maximum), so its own infinity travels.
+    Computed from ``torch.finfo`` here, not read from a module-level table: under ``torch.compile(dynamic=True)``
+    a float read from a module-level name (a table, ``math.inf``) became a graph input, which the traced
+    switch's backward could not take ("lift_tracked_freevar_to_input should not be called on root")."""
+    top = torch.finfo(fmt).max
+    return (top, float("inf")) if fmt == torch.float8_e5m2 else (top - 32.0, top)
+
+
+def _decoded(wire: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """FP8 values (``fmt``) times their scale, in float32; the wire's infinity (``_limits``) is +-inf."""
+    values = wire.float()
+    inf = _limits(fmt)[1]
+    if inf == float("inf"):   # the format's own infinity: inf * scale is inf
+        return values * scale
+    return torch.where(values.abs() == inf, values * float("inf"), values * scale)
+
+
 def _round_trip(chunk: torch.Tensor, wire: torch.Tensor, scale: torch.Tensor, fmt: torch.dtype) -> dict[str, Any]:
     original = chunk.float()
-    back = wire.float() * scale
+    back = _decoded(wire, scale, fmt)
     norm = original.norm().item()
     nonzero = original != 0
     return {"format": str(fmt).removeprefix("torch."), "backward": torch._C._current_graph_task_id() != -1,
@@ -116,14 +142,23 @@ def _round_trip(chunk: torch.Tensor, wire: torch.Tensor, scale: torch.Tensor, fm
 
 
 def _amax_rows(chunks: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The chunks (flat, one tensor's, one per destination) -> (``[m]`` float32 amax of each, ``[m, e]`` of them
-    all when they have one length ``e``, else None). Equal lengths: one reduction for all; uneven: one each."""
+    """The chunks (flat, one tensor's, one per destination) -> (``[m]`` float32 amax of the finite values of each,
+    ``[m, e]`` of them all when they have one length ``e``, else None). Equal lengths: one reduction for all;
+    uneven: one each. Non-finite values count as 0 here: they travel as themselves (see ``_decoded``)."""
     lengths = [c.numel() for c in chunks]
     if lengths[0] and all(n == lengths[0] for n in lengths):
         packed = torch.cat(chunks).view(len(chunks), lengths[0])
-        return packed.abs().amax(1).float(), packed
+        return packed.abs().nan_to_num(0.0, 0.0, 0.0).amax(1).float(), packed
     zero = chunks[0].new_zeros(1, dtype=torch.float32)
-    return torch.cat([c.abs().amax(0, keepdim=True).float() if c.numel() else zero for c in chunks]), None
+    return torch.cat([c.abs().nan_to_num(0.0, 0.0, 0.0).amax(0, keepdim=True).float() if c.numel() else zero
+                      for c in chunks]), None
+
+
+def _cast(scaled: torch.Tensor, fmt: torch.dtype) -> torch.Tensor:
+    """Scaled values (finite ones within the finite top, ``_limits``) in ``fmt``: +-inf as the wire's infinity,
+    NaN as NaN."""
+    inf = _limits(fmt)[1]
+    return (scaled if inf == float("inf") else scaled.clamp(-inf, inf)).to(fmt)
 
 
 def _encode_chunks(chunks: Sequence[torch.Tensor], fmt: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -132,13 +167,12 @@ def _encode_chunks(chunks: Sequence[torch.Tensor], fmt: torch.dtype) -> list[tup
     The same values as casting each chunk on its own (amax, scale, divide, clamp, cast are elementwise or
     per-chunk), in a handful of kernels for all chunks of one length instead of several per chunk: eagerly
     on a GPU the encode is launch-bound at a switch's sizes (docs/gpu.md)."""
-    top = torch.finfo(fmt).max
     amax, packed = _amax_rows(chunks)
-    scales = (amax / top).clamp_min(torch.finfo(torch.float32).tiny)  # [m]; a zero chunk: any scale will do
+    scales = (amax / _limits(fmt)[0]).clamp_min(torch.finfo(torch.float32).tiny)  # [m]; a zero chunk: any will do
     if packed is not None:
-        wires = list((packed.float() / scales[:, None]).clamp(-top, top).to(fmt).unbind(0))
+        wires = list(_cast(packed.float() / scales[:, None], fmt).unbind(0))
     else:
-        wires = [(c.float() / scales[i]).clamp(-top, top).to(fmt) for i, c in enumerate(chunks)]
+        wires = [_cast(c.float() / scales[i], fmt) for i, c in enumerate(chunks)]
     # the bytes of all scales at once: Inductor (torch 2.11 on CUDA) refuses to bitcast a [1] piece of a float32
     # tensor it has laid out with stride 0 ("self.stride(-1) must be 1 to view Float as Byte ... but got 0")
     scale_bytes = scales.view(torch.uint8)
@@ -204,9 +238,9 @@ def decode(recv: torch.Tensor, shapes: Sequence[Sequence[Sequence[int]]], format
                            ).view(torch.float32)  # a copy: aligned
         if numels[0] and all(n == numels[0] for n in numels):
             values = torch.cat([recv[offsets[i, k]:offsets[i, k] + n] for i, n in zip(have, numels)]).view(fmt)
-            back = (values.view(len(have), numels[0]).float() * scales[:, None]).to(dtype).unbind(0)
+            back = _decoded(values.view(len(have), numels[0]), scales[:, None], fmt).to(dtype).unbind(0)
         else:
-            back = [(recv[offsets[i, k]:offsets[i, k] + n].view(fmt).float() * scales[m]).to(dtype)
+            back = [_decoded(recv[offsets[i, k]:offsets[i, k] + n].view(fmt), scales[m], fmt).to(dtype)
                     for m, (i, n) in enumerate(zip(have, numels))]
         for i, values in zip(have, back):
             out[i].append(values.view(shapes[i][k]))  # type: ignore[union-attr]
