@@ -119,26 +119,51 @@ def references(rank: int, world_size: int, cases: list[tuple[str, str]]) -> list
     return out
 
 
-def deepspeed_reference(rank: int, world_size: int, model: str, stage: int) -> dict[str, Any]:
-    """The bytes a real DeepSpeed engine (bf16, ZeRO ``stage`` over DP x DSP, torch AdamW) holds after one step.
+def deepspeed_reference(rank: int, world_size: int, model: str, stages: list[int]) -> list[dict[str, int]]:
+    """What a real DeepSpeed engine (bf16, ZeRO over DP x DSP, torch AdamW) holds in one step, per stage of
+    ``stages`` (one engine after the other), in bytes, by the dry run's categories:
 
-    Parameters: ZeRO-1/2's flat bf16 buffer, or ZeRO-3's partitions plus the parameters it keeps whole;
-    optimizer states: the fp32 master partition and every tensor of the optimizer's state. Gradients are
-    reported, not compared: DeepSpeed on a CPU accelerator takes another gradient path than on a GPU.
+    - ``params``: ZeRO-1/2's flat bf16 buffer, or ZeRO-3's partitions plus the parameters it keeps whole;
+    - ``optimizer``: the fp32 master partition and every tensor of the optimizer's state;
+    - ``grads``: the most gradient bytes held at once outside the reduce bucket (storages counted once), looked at
+      when a bucket is reduced and after the backward: every parameter's ``grad`` before ZeRO-1 reduces them, the
+      partition ZeRO-2 and 3 keep;
+    - ``buffers``: the reduce bucket at its largest (ZeRO-1/2 allocate it per backward), plus the parameters
+      ZeRO-3 holds gathered beyond those it keeps whole, seen at every module's forward;
+    - ``step_transient``: the fp32 gradient partition the optimizer steps with, seen when it steps.
     """
     import logging
     import os
 
     from deepspeed.utils import logger
 
+    from dsp_plugin.topology import set_topology
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    logger.setLevel(logging.WARNING)
+    out = []
+    for stage in stages:
+        out.append(_deepspeed_step(world_size, model, stage))
+        set_topology(None)
+    return out
+
+
+def _storages(tensors: Any) -> dict[int, int]:
+    """{storage address: bytes} of the tensors (views of one storage counted once)."""
+    out = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
+            out[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return out
+
+
+def _deepspeed_step(world_size: int, model: str, stage: int) -> dict[str, int]:
     from dsp_plugin.deepspeed import initialize
     from dsp_plugin.dryrun import diffusers_family
     from dsp_plugin.dryrun.step import Setup
     from dsp_plugin.plan import parallelize
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
-    logger.setLevel(logging.WARNING)
     spec, geometry = Setup(model=model, dsp=world_size).resolve()
     torch.manual_seed(0)
     net = parallelize(diffusers_family.build(spec, dtype=torch.bfloat16, recompute=False))
@@ -148,21 +173,58 @@ def deepspeed_reference(rank: int, world_size: int, model: str, stage: int) -> d
               "steps_per_print": 10**9}
     engine, optimizer, _, _ = initialize(model=net, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-4),
                                          config=config)
+    params = list(net.parameters())
+    seen = {"grads": 0, "buffers": 0, "step_transient": 0}
+
+    def gradients() -> Any:
+        yield from (p.grad for p in params)
+        for held in (getattr(optimizer, "averaged_gradients", None) or {}).values():
+            yield from (held if isinstance(held, list) else [held])
+        yield getattr(optimizer, "grads_in_partition", None)
+        yield getattr(optimizer, "grad_partitions_flat_buffer", None)
+
+    def look() -> None:
+        buckets = _storages(t for b in optimizer.ipg_buckets.values()
+                            for t in (b.buffer if isinstance(b.buffer, list) else [b.buffer]))
+        grads = {k: v for k, v in _storages(gradients()).items() if k not in buckets}
+        gathered = sum(p.ds_numel * p.element_size() for p in params
+                       if stage == 3 and not p.ds_persist and p.data.numel() > 0)
+        seen["grads"] = max(seen["grads"], sum(grads.values()))
+        seen["buffers"] = max(seen["buffers"], sum(buckets.values()) + gathered)
+
+    def watched(fn: Any, before: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            before()
+            return fn(*args, **kwargs)
+        return call
+
+    reduce = "reduce_ipg_grads" if stage < 3 else "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+    setattr(optimizer, reduce, watched(getattr(optimizer, reduce), look))
+    masters = (optimizer.fp32_partitioned_groups_flat if stage == 3 else optimizer.single_partition_of_fp32_groups)
+    inner = optimizer.optimizer
+
+    def stepping() -> None:
+        seen["step_transient"] = sum(_storages(m.grad for m in masters).values())
+
+    inner.step = watched(inner.step, stepping)
+    hooks = [m.register_forward_pre_hook(lambda *_: look()) for m in net.modules()]  # after DeepSpeed's fetch
     loss = diffusers_family.loss(engine, spec, geometry, dtype=torch.bfloat16,
                                  generator=torch.Generator().manual_seed(1))
     engine.backward(loss)
+    look()
     engine.step()
+    for hook in hooks:
+        hook.remove()
 
     def nbytes(tensors: Any) -> int:
         return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
-    inner = optimizer.optimizer
     state = nbytes(t for s in inner.state.values() for t in s.values())
     if stage == 3:
-        persistent = [p for p in net.parameters() if getattr(p, "ds_persist", False)]
-        params = nbytes(optimizer.fp16_partitioned_groups_flat) + nbytes(p.data for p in persistent)
+        persistent = [p for p in params if getattr(p, "ds_persist", False)]
+        held = nbytes(optimizer.fp16_partitioned_groups_flat) + nbytes(p.data for p in persistent)
         master = nbytes(optimizer.fp32_partitioned_groups_flat)
     else:
-        params = nbytes(optimizer.bit16_groups_flat)
+        held = nbytes(optimizer.bit16_groups_flat)
         master = nbytes(optimizer.single_partition_of_fp32_groups)
-    return {"params": params, "optimizer": master + state}
+    return {"params": held, "optimizer": master + state, **seen}

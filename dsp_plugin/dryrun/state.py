@@ -10,15 +10,28 @@ DeepSpeed 0.19.8's defaults and padding (``runtime/zero/stage_1_and_2.py``, ``st
 stage  parameters (bf16)                           gradients (bf16)       optimizer (fp32 master, m, v)
 =====  ==========================================  =====================  ========================================
 0      every parameter                             every parameter        every parameter (nothing sharded)
-1      one flat buffer of all, padded to 2D        every parameter        flat / D
-2      the same                                    flat / D (contiguous)  flat / D
+1      one flat buffer of all, padded to 2D        the parameters in the  flat / D
+                                                   rank's flat / D, whole
+2      the same                                    the same               flat / D
 3      ceil(numel / D) of each; whole if numel     ceil(numel / D) each   ceil(numel / D) each
        <= 1e5 (``param_persistence_threshold``)
 =====  ==========================================  =====================  ========================================
 
-Buffers: stage 1-2 reduce into a bucket of ``reduce_bucket_size`` (5e8) elements, bf16; stage 3
-also keeps the module being computed gathered plus ``prefetch_bucket_size`` (5e7) elements
-prefetched. The step makes an fp32 copy of this rank's gradient partition (``step_transient``).
+Gradients at stages 1-2 (contiguous gradients, DeepSpeed's default): each goes into the reduce bucket
+as it is produced; after the bucket's reduction the gradients of the parameters that reach into this
+rank's partition are copied out whole into one buffer (``copy_grads_in_partition``), at stage 1 as at
+stage 2; the others are left in the bucket.
+
+Buffers: stage 1-2 reduce into a bucket of ``reduce_bucket_size`` (5e8) elements of the gradients'
+dtype (bf16), allocated whole at the start of every backward whatever the model's size
+(``setup_buckets``; contiguous gradients are DeepSpeed's default); stage 3 allocates its bucket
+once, in the dtype the gradients are reduced in: fp32 under sequence parallelism (DeepSpeed's
+``seq_parallel_communication_data_type`` default, taken when the sequence-parallel size is above 1),
+else bf16; and gathers the parameters it does not keep whole: the module being computed plus up to
+``prefetch_bucket_size`` (5e7) elements prefetched, never more than there are. The step makes an
+fp32 copy of this rank's gradient partition (``step_transient``). ``tests/test_dryrun.py`` holds
+every figure against a real engine at stages 1-3 (gradients: the most DeepSpeed holds at once
+outside its bucket).
 Stage 0 is the ZeRO paper's baseline (no DeepSpeed wrapper; DeepSpeed's own bf16 stage 0 keeps
 bf16 moments instead).
 
@@ -28,6 +41,7 @@ The gradient reduction and parameter gathering of each stage are listed as model
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -68,10 +82,11 @@ class FrameworkState:
 
 
 def deepspeed_state(numels: list[int], *, zero: int, group_size: int, largest_module: int,
-                    recompute: bool) -> FrameworkState:
+                    recompute: bool, sequence_parallel: bool = False) -> FrameworkState:
     """ZeRO-``zero`` state of one rank for trainable parameters of ``numels`` elements, over ``group_size`` ranks.
 
-    ``largest_module``: elements of the largest module DeepSpeed gathers at once (stage 3).
+    ``largest_module``: elements of the largest module DeepSpeed gathers at once (stage 3: its parameters above
+    ``PERSISTENCE_THRESHOLD``); ``sequence_parallel``: DSP over more than one rank (stage 3 reduces in fp32).
     """
     if zero not in (0, 1, 2, 3):
         raise ValueError(f"--zero {zero}: expected 0, 1, 2 or 3")
@@ -88,8 +103,11 @@ def deepspeed_state(numels: list[int], *, zero: int, group_size: int, largest_mo
         alignment = ALIGNMENT_FACTOR * d
         flat = math.ceil(total / alignment) * alignment
         part = flat // d
-        grads = part * BF16 if zero == 2 else total * BF16
-        buffers = min(REDUCE_BUCKET, flat) * BF16 if zero == 2 else 0
+        # the gradients of this rank's partition (rank 0's: the first ``part`` elements of the flat buffer), each
+        # parameter reaching into it whole (``copy_grads_in_partition``); the others stay in the bucket
+        starts = itertools.accumulate([0, *numels[:-1]])
+        grads = sum(n for start, n in zip(starts, numels) if start < part) * BF16
+        buffers = REDUCE_BUCKET * BF16  # the whole bucket, ZeRO-1's too, however small the model
         if d > 1:
             out.append(Collective("reduce_scatter", "backward", name, d, 1, flat * BF16 * (d - 1) // d,
                                   "gradients (modelled: bf16 flat, reduced to this rank's partition)", True))
@@ -102,7 +120,8 @@ def deepspeed_state(numels: list[int], *, zero: int, group_size: int, largest_mo
     gathered = sum(p for n, p in zip(numels, parts) if n > PERSISTENCE_THRESHOLD)
     part = sum(parts)
     sub_groups = max(1, math.ceil(part / SUB_GROUP))
-    buffers = (largest_module + PREFETCH_BUCKET) * BF16 + min(REDUCE_BUCKET, part * d) * BF16
+    gathered_at_once = min(largest_module + PREFETCH_BUCKET, sum(n for n in numels if n > PERSISTENCE_THRESHOLD))
+    buffers = gathered_at_once * BF16 + REDUCE_BUCKET * (FP32 if sequence_parallel else BF16)
     if d > 1:
         gathers = 3 if recompute else 2  # forward, backward (and the recomputed forward)
         out.append(Collective("all_gather", "forward+backward", name, d, gathers,

@@ -46,7 +46,7 @@ def _dry_run_diffusers(setup: Setup, spec: ModelSpec, geometry: Geometry, hw: Ha
     from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.dryrun import diffusers_family
     from dsp_plugin.dryrun.memory import MemoryTracker
-    from dsp_plugin.dryrun.state import deepspeed_state
+    from dsp_plugin.dryrun.state import PERSISTENCE_THRESHOLD, deepspeed_state
     from dsp_plugin.dryrun.world import fake_world
     from dsp_plugin.plan import parallelize
 
@@ -55,7 +55,8 @@ def _dry_run_diffusers(setup: Setup, spec: ModelSpec, geometry: Geometry, hw: Ha
     with fake_world(setup.world, dsp=setup.dsp) as topology, FakeTensorMode():
         model = diffusers_family.build(spec, dtype=dtype, recompute=setup.recompute == "full")
         trainable = [p for p in model.parameters() if p.requires_grad]
-        largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+        largest = max(sum(p.numel() for p in m.parameters(recurse=False) if p.numel() > PERSISTENCE_THRESHOLD)
+                      for m in model.modules())  # ZeRO-3 gathers a module's parameters it does not keep whole
         if setup.dsp > 1:
             parallelize(model)  # the built-in plan, on the topology's DSP group
         for p in trainable:  # ZeRO / DDP take each gradient into their own buffers as it is produced
@@ -69,7 +70,7 @@ def _dry_run_diffusers(setup: Setup, spec: ModelSpec, geometry: Geometry, hw: Ha
         collectives = by_block(acct.records, tracker.collective_sites, group_names(topology))
     state: FrameworkState = deepspeed_state([p.numel() for p in trainable], zero=setup.zero,
                                             group_size=setup.dp * setup.dsp, largest_module=largest,
-                                            recompute=setup.recompute == "full")
+                                            recompute=setup.recompute == "full", sequence_parallel=setup.dsp > 1)
     collectives += state.collectives
     tf, th, tw = geometry.tokens(spec)
     total_flops = float(tracker.flops)
