@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from dsp_plugin.megatron.checkpoint_files import check_distcp_files, checkpoint_folder
+
 __all__ = ["add_load_arguments", "check_load_path"]
 
 
@@ -45,6 +47,7 @@ def check_load_path(args: argparse.Namespace) -> str | None:
     if step:  # Megatron loads iter_{step:07d} instead of the tracker's iteration (a step of 0: the tracker's)
         folder = os.path.join(load, f"iter_{step:07d}")
         if os.path.isdir(folder):
+            check_distcp_files(folder)  # a .distcp file cut short: named now, not an EOFError after the build
             return None
         held = sorted(n for n in os.listdir(load) if n.startswith("iter_")) if os.path.isdir(load) else []
         raise ValueError(f"--ckpt-step {step}: {folder!r} does not exist (--load holds "
@@ -52,6 +55,9 @@ def check_load_path(args: argparse.Namespace) -> str | None:
                          "FileNotFoundError after building the model. Expected the step of a checkpoint in --load, "
                          "or no --ckpt-step (the tracker's latest)")
     if os.path.isfile(os.path.join(load, "latest_checkpointed_iteration.txt")):
+        folder = checkpoint_folder(load, None)
+        if folder is not None:
+            check_distcp_files(folder)
         return None
     save = getattr(args, "save", None)
     if save and os.path.realpath(save) == os.path.realpath(load):
