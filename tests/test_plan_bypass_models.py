@@ -28,16 +28,21 @@ from tests.distributed import run_distributed  # noqa: E402
 # and Latte), then the plans tiny_video has no model for
 TINY_VIDEO = ["tiny-wan", "tiny-latte", "tiny-hunyuan-video", "tiny-ltx-video", "tiny-ltx-video-per-token",
               "tiny-mochi", "tiny-skyreels-v2", "tiny-skyreels-v2-df", "tiny-skyreels-v2-causal", "tiny-easyanimate",
-              "tiny-allegro", "tiny-consisid", "tiny-framepack"]
+              "tiny-allegro", "tiny-consisid", "tiny-framepack", "tiny-wan-vace", "tiny-wan-animate", "tiny-chronoedit",
+              "tiny-anyflow", "tiny-minimax-h3", "tiny-ltx2"]
 OTHERS = ["cogvideox", "svd", "stdit-2-axes", "stdit-3-axes"]
 # as tests/test_plan_models.py: where the model computes in fp32 whatever the dtype, that rounding is fp32's
-FP32_INSIDE = ("tiny-mochi", "tiny-skyreels-v2", "tiny-easyanimate", "tiny-consisid", "tiny-wan")
+FP32_INSIDE = ("tiny-mochi", "tiny-skyreels-v2", "tiny-easyanimate", "tiny-consisid", "tiny-wan", "tiny-wan-vace",
+               "tiny-wan-animate", "tiny-chronoedit", "tiny-anyflow", "tiny-minimax-h3", "tiny-ltx2")
 # block calls that ran without their hooks in the two calls, measured: each 2-layer plan whose blocks are a
 # ``Block`` alone passes through at its second block (the first splits). Not bypassed: blocks that split
 # conditioning with their tokens (``follow``: LTX-Video's timestep, SkyReels-V2's modulation, Latte, SVD) or other
 # arguments (ConsisID, Framepack), that switch (Latte, SVD, STDiT), and HunyuanVideo's single-stream block, whose
 # layout is not the double-stream block's that handed the placement on.
-BYPASSED = {"tiny-wan": 2, "tiny-mochi": 2, "tiny-easyanimate": 2, "tiny-allegro": 2, "cogvideox": 2}
+# Measured as well: Wan VACE its second control block and second main block per call, Wan Animate (4 blocks, a
+# face adapter after blocks 0 and 2) one block per call, ChronoEdit its second block.
+BYPASSED = {"tiny-wan": 2, "tiny-mochi": 2, "tiny-easyanimate": 2, "tiny-allegro": 2, "cogvideox": 2,
+            "tiny-wan-vace": 4, "tiny-wan-animate": 2, "tiny-chronoedit": 2}
 
 
 def _cogvideox() -> tuple[torch.nn.Module, dict[str, Any]]:

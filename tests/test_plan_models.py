@@ -178,3 +178,85 @@ def test_hunyuan_video_token_replace_is_refused_naming_why() -> None:
     with pytest.raises(ValueError, match=r"image_condition_type='token_replace'.*first_frame_num_tokens.*expected "
                                          r"image_condition_type None or 'latent_concat'"):
         dsp_plugin.parallelize(model)
+
+
+# The video transformers diffusers 0.42.1 added beside the ones above, each found by class with no plan given
+# (dsp_plugin.testing.tiny_video's CASES: 3 heads, 2 samples, 45 video tokens, uneven on 2 and 4 ranks, padded text
+# where the model takes a text mask; Wan VACE, Wan Animate on whole frames: 3+2 and 2+1+1+1), each run without and
+# under the model's own gradient checkpointing against the unmodified model on one process, in fp64 (Cosmos and
+# Kandinsky 5 with their _keep_in_fp32_modules in fp32: they fail without). Every output of the model is compared
+# (LTX-2 and MiniMax-H3: video and audio), the input gradient of hidden_states, every parameter gradient summed.
+NEW = ["tiny-wan-vace", "tiny-wan-animate", "tiny-chronoedit", "tiny-anyflow", "tiny-minimax-h3", "tiny-ltx2"]
+# relative differences allowed. 1e-12 where the model is fp64 throughout. 1e-6 where it computes parts in fp32
+# whatever its dtype: Wan's fp32 adaLN modulation (Wan VACE, Wan Animate, ChronoEdit, AnyFlow), diffusers' RMSNorm's
+# fp32 variance (LTX-2), MiniMax-H3's fp32 RoPE and heads
+NEW_TOLERANCE = {name: 1e-6 for name in NEW}
+# (forward all-to-alls, forward all_gathers, backward reduce-scatters) per case, the backward's all-to-alls as many
+# as the forward's: 2 per attention under Heads (Wan VACE: 2 main and 2 control blocks), 1 all_gather at exit (its
+# backward local); LTX-2: 1 all_gather per layer of the video keys its audio queries read (video-to-audio), whose
+# backward is a reduce-scatter
+NEW_COLLECTIVES = {"tiny-wan-vace": (8, 1, 0), "tiny-wan-animate": (8, 1, 0), "tiny-ltx2": (4, 3, 2)}
+
+
+def _one(name: str, reference: torch.nn.Module, kwargs: dict, ckpt: bool) -> dict[str, float]:
+    """``name``'s model parallelized by its built-in plan against ``reference`` (fp64): relative differences of
+    every output, the input gradient, every parameter gradient (summed over the group), and the collectives."""
+    model = copy.deepcopy(reference)
+    if ckpt:
+        model.enable_gradient_checkpointing()
+    model = dsp_plugin.parallelize(model)  # no plan: the built-in one for its class
+    runs, weights = [], None
+    for m in (reference, model):
+        x = kwargs["hidden_states"].clone().requires_grad_(True)
+        with CommAccounting(activations=False) as acct:
+            outs = [o for o in m(**{**kwargs, "hidden_states": x}, return_dict=False) if o is not None]
+            if weights is None:
+                g = torch.Generator().manual_seed(9)
+                weights = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
+            sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+        runs.append(([o.detach() for o in outs], x.grad, acct))
+    (outs_ref, dx_ref, _), (outs, dx, acct) = runs
+    reduce_gradients(model.parameters())
+    dist.all_reduce(dx)
+    pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())]
+    missing = [i for i, (g, r) in enumerate(pairs) if (g is None) != (r is None)]
+    assert not missing, f"{name}: gradients present on one side only: parameters {missing}"
+    pairs = [(g, r) for g, r in pairs if r is not None]
+    for p in reference.parameters():
+        p.grad = None
+    return {"out": max(_relative(o, r) for o, r in zip(outs, outs_ref)), "dx": _relative(dx, dx_ref),
+            "grads": max((g - r).abs().max().item() for g, r in pairs) / max(r.abs().max().item() for _, r in pairs),
+            "fwd_all_to_all": acct.count("all_to_all", "forward"),
+            "bwd_all_to_all": acct.count("all_to_all", "backward"),
+            "fwd_all_gather": acct.count("all_gather", "forward"),
+            "bwd_reduce_scatter": acct.count("reduce_scatter", "backward"),
+            "other": acct.count() - acct.count("all_to_all") - acct.count("all_gather", "forward")
+            - acct.count("reduce_scatter", "backward")}
+
+
+def _new_video(rank: int, n: int, names: list[str]) -> dict[str, dict[str, float]]:
+    from dsp_plugin.testing.tiny_video import case
+
+    result = {}
+    for name in names:
+        reference, kwargs = case(name, torch.float64)
+        plain = _one(name, reference, kwargs, ckpt=False)
+        ckpt = _one(name, reference, kwargs, ckpt=True)
+        result[name] = plain | {f"ckpt_{k}": v for k, v in ckpt.items()}
+    return result
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_new_video_plans_equal_one_process(n: int) -> None:
+    """One run per N over the cases: outputs, input gradient and every parameter gradient (summed), without and
+    under the model's own gradient checkpointing, whose recompute replays the kept collectives."""
+    for rank, by_name in enumerate(run_distributed(_new_video, n, NEW, timeout=900)):
+        for name, d in by_name.items():
+            print(f"{name} n={n} rank {rank}: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items()))
+            for key in ("out", "dx", "grads", "ckpt_out", "ckpt_dx", "ckpt_grads"):
+                assert d[key] < NEW_TOLERANCE[name], f"{name} rank {rank}/{n}: {key} {d[key]:.3g} (relative)"
+            a2a, gathers, scatters = NEW_COLLECTIVES.get(name, (4, 1, 0))
+            for tag in ("", "ckpt_"):
+                got = tuple(d[f"{tag}{k}"] for k in ("fwd_all_to_all", "bwd_all_to_all", "fwd_all_gather",
+                                                     "bwd_reduce_scatter", "other"))
+                assert got == (a2a, a2a, gathers, scatters, 0), (name, tag, d)

@@ -429,10 +429,11 @@ class _Runtime:
         if found is None:
             found = self.placed(where, spec, x) if isinstance(x, torch.Tensor) else (None, None, False)
         _, placed, whole = found
-        if placed is None and (frame is None or frame.shard is None):
+        block = current_block() if placed is None and frame is None else None  # a recompute: its block's placement
+        if placed is None and block is None and (frame is None or frame.shard is None):
             raise ValueError(_untagged(where, x, frame))
         grid, shard = placed if whole else _complete(where, x, spec.layout, placed, frame) if placed is not None \
-            else (frame.grid, frame.shard)
+            else block[:2] if block is not None else (frame.grid, frame.shard)
         if frame is not None and frame.sharded_io and not spec.partial_grad:  # the caller wants its shard back
             if frame.io_shard is not None and frame.io_shard != shard and frame.io_shard in spec.layout.axes:
                 x = ops.plan_switch(where, x, spec.layout, grid, shard, frame.io_shard, self.group,

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CASES", "case", "cast", "fill_zeros", "hunyuan_video_pipeline"]
+__all__ = ["CASES", "case", "cast", "fill_zeros", "hunyuan_video_pipeline", "keep_fp32"]
 
 BATCH, FRAMES, SIZE, TEXT, TEXT_DIM, HEADS = 2, 5, 6, 7, 16, 3
 
@@ -253,6 +253,28 @@ CASES: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
 }
 
 
+def _more(module: str, name: str) -> Callable[[], tuple[Any, dict[str, Any]]]:
+    def build() -> tuple[Any, dict[str, Any]]:
+        import importlib
+
+        return getattr(importlib.import_module(f"dsp_plugin.testing.{module}"), name)()
+
+    return build
+
+
+# the video transformers diffusers 0.42.1 added after the ones above (docs/models.md lists them all)
+CASES.update({
+    "tiny-wan-vace": _more("tiny_video_more", "wan_vace"),
+    "tiny-wan-animate": _more("tiny_video_wan", "wan_animate"),
+    "tiny-chronoedit": _more("tiny_video_wan", "chronoedit"),
+    "tiny-anyflow": _more("tiny_video_wan", "anyflow"),
+    "tiny-minimax-h3": _more("tiny_video_wan", "minimax_h3"),
+    "tiny-ltx2": _more("tiny_video_wan", "ltx2"),
+    "tiny-cosmos": _more("tiny_video_more", "cosmos"),
+    "tiny-kandinsky5": _more("tiny_video_more", "kandinsky5"),
+})
+
+
 def cast(value: Any, dtype: torch.dtype) -> Any:
     """``value`` with every floating-point tensor in it (nested tuples, lists, dicts) cast to ``dtype``."""
     if isinstance(value, torch.Tensor):
@@ -269,4 +291,17 @@ def case(name: str, dtype: torch.dtype = torch.float32) -> tuple[Any, dict[str, 
     if name not in CASES:
         raise ValueError(f"unknown tiny model {name!r}; expected one of {', '.join(CASES)}")
     model, kwargs = CASES[name]()
-    return model.to(dtype), cast(kwargs, dtype)
+    return keep_fp32(model.to(dtype)), cast(kwargs, dtype)
+
+
+def keep_fp32(model: Any) -> Any:
+    """``model`` with its ``_keep_in_fp32_modules`` back in fp32, as ``from_pretrained(torch_dtype=...)`` loads it
+    (a module whose name has one of them as a component), where the model fails without (Cosmos' norms, Kandinsky 5's
+    time embedding: a float64 input to their fp32 code); other models are left in the dtype they were cast to."""
+    if type(model).__name__ not in ("CosmosTransformer3DModel", "Kandinsky5Transformer3DModel"):
+        return model
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for name, module in model.named_modules():
+        if any(k in name.split(".") for k in keep):
+            module.float()
+    return model
