@@ -1,6 +1,8 @@
 """Which group a call means, and this rank's place in it: ``group=None`` and the no-topology rule.
 
-``group=None`` is the DSP group of the installed topology (``dsp_plugin.topology``);
+``group=None`` is the DSP group of the installed topology (``dsp_plugin.topology``); a
+one-dimensional ``DeviceMesh`` (``mesh["dsp"]``, a sub-mesh or a flattened dim) is its process group
+(``as_process_group``), wherever a ``group=`` is taken;
 without torch.distributed, or on a world of one rank, a call runs on a group of
 size 1. On more than one rank with no topology it refuses (``NoTopologyError``)
 rather than shard over a world that the framework reduces its own way; started as
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import os
 import weakref
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["NoProcessGroupError", "NoTopologyError", "check_launched_alone", "group_rank", "group_size",
-           "no_topology_message"]
+__all__ = ["NoProcessGroupError", "NoTopologyError", "as_process_group", "check_launched_alone", "group_rank",
+           "group_size", "no_topology_message"]
 
 
 class NoTopologyError(RuntimeError):
@@ -57,14 +60,38 @@ def check_launched_alone(name: str) -> None:
             f"(dsp_plugin.set_topology(dsp_plugin.Topology.build(dsp=N)), or sampling_groups() for sampling).")
 
 
-def _resolve_group(group: dist.ProcessGroup | None, name: str = "dsp_plugin") -> dist.ProcessGroup | None:
-    """``None`` -> the DSP group of the installed topology; an error on > 1 rank without one.
+def as_process_group(group: Any, name: str) -> Any:
+    """``group`` as the process group a call runs on: a ``ProcessGroup`` or None as given; a ``DeviceMesh`` of one
+    dimension (``mesh["dsp"]``, a sub-mesh, ``mesh["dp_shard", "dsp"]._flatten()``) its group; a mesh of more
+    dimensions refused, naming them (which of its dims DSP runs over is the caller's to say)."""
+    if group is None or isinstance(group, dist.ProcessGroup):
+        return group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(group, DeviceMesh):
+        return group  # torch's NON_GROUP_MEMBER (an int) and the like: as before
+    if group.ndim != 1:
+        names = group.mesh_dim_names
+        dsp = "dsp" if names and "dsp" in names else "<the DSP dim>"
+        raise ValueError(f"{name}: group= is a {group.ndim}-D DeviceMesh (dims {names}, shape {tuple(group.shape)});"
+                         f" expected a process group or a 1-D DeviceMesh, the dimension DSP shards over: "
+                         f"group=mesh[{dsp!r}]")
+    if group.get_coordinate() is None:
+        raise ValueError(f"{name}: group= is a DeviceMesh over ranks {group.mesh.flatten().tolist()}, which do not "
+                         f"include this process (global rank {dist.get_rank()}); expected the mesh's own dim on "
+                         f"every rank (mesh[\"dsp\"], which each rank slices to its DSP group)")
+    return group.get_group()
+
+
+def _resolve_group(group: Any, name: str = "dsp_plugin") -> dist.ProcessGroup | None:
+    """``None`` -> the DSP group of the installed topology; an error on > 1 rank without one. A 1-D ``DeviceMesh``
+    -> its process group (``as_process_group``).
 
     Returns None when torch.distributed is not initialised: a single process is
     a DSP group of size 1 (so is a world of one rank).
     """
     if group is not None:
-        return group
+        return group if isinstance(group, dist.ProcessGroup) else as_process_group(group, name)
     if not (dist.is_available() and dist.is_initialized()):
         check_launched_alone(name)
         return None

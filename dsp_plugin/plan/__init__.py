@@ -21,7 +21,8 @@ __all__ = ["Block", "Gather", "Grid", "Heads", "Layout", "OnShard", "Positions",
 
 
 def parallelize(model: nn.Module, plan: Any = None, group: Any = None, *, comm_dtype: Any = None) -> nn.Module:
-    """``model`` made DSP-parallel over ``group`` (None: the DSP group of the current topology).
+    """``model`` made DSP-parallel over ``group`` (None: the DSP group of the current topology; a process group, or
+    a 1-D ``DeviceMesh`` such as ``mesh["dsp"]``, whose process group the plan keeps).
 
     Replicated in, replicated out, the model's call signature and its own
     parameters. ``plan``: a dict ``{module path: spec or [specs]}``; None looks
@@ -30,9 +31,11 @@ def parallelize(model: nn.Module, plan: Any = None, group: Any = None, *, comm_d
     and head switch sends FP8 with a scale per chunk, forward and backward (``dsp_plugin.comm.payload``),
     except a ``Block(exact=True)``'s and the tensors a ``Heads(exact=...)`` names.
     """
+    from dsp_plugin.comm.group_resolution import as_process_group
     from dsp_plugin.plan.builtin import builtin_plan
     from dsp_plugin.plan.runtime import apply_plan
 
+    group = as_process_group(group, "parallelize")  # a mesh dim: resolved once, before any hook or collective
     if plan is None:
         plan = builtin_plan(model)
     if plan is None:
