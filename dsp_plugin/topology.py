@@ -10,7 +10,8 @@ ride NVLink. Parameters are replicated across a DSP group, so gradients are
 reduced over the DP x DSP group (``dp_dsp_group``); ZeRO partitions over DP.
 
 ``rank_layout`` is the pure arithmetic (no processes needed, used by the docs and
-tests); ``Topology.build`` creates the groups; ``set_topology`` makes one the
+tests); ``Topology.build`` creates the groups (``Topology.from_mesh`` reads them off a
+torch ``DeviceMesh``, ``dsp_plugin.mesh``); ``set_topology`` makes one the
 default that ``group=None`` in the primitives refers to. Without one installed,
 ``group=None`` on more than one rank is an error (``comm``): sharding over a
 world that the training framework reduces its own way is a silent wrong result.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -132,6 +134,7 @@ class Topology:
     dp_dsp_group: dist.ProcessGroup | None = None
     model_parallel_group: dist.ProcessGroup | None = None
     layout: dict[str, list[list[int]]] = field(default_factory=dict, repr=False)
+    mesh: Any = field(default=None, repr=False)  # the DeviceMesh of ``from_mesh`` (dsp_plugin.fsdp shards over it)
 
     @classmethod
     def build(cls, *, tp: int = 1, dsp: int | None = None, pp: int = 1,
@@ -179,6 +182,29 @@ class Topology:
         return cls(tp=1, dsp=world, dp=1, pp=1, rank=dist.get_rank(), world_size=world,
                    dsp_group=dist.group.WORLD, dp_dsp_group=dist.group.WORLD,
                    layout=rank_layout(world, dsp=world))
+
+    @classmethod
+    def from_mesh(cls, mesh: Any) -> Topology:
+        """The topology of a torch ``DeviceMesh`` whose dims are named among ``pp``, ``dp_replicate``, ``dp_shard``
+        (or ``dp``), ``dsp``, ``tp`` in that order (outermost first; ``dsp`` required): its groups are the mesh's own
+        (several dims flattened, ``dsp_plugin.mesh``), no group is created beyond those. DP is ``dp_replicate x
+        dp_shard``; the gradient group ``dp_dsp_group`` is DP x DSP. Names, order and layout are checked before any
+        group is made, with an error naming the mesh's dims and what was expected.
+        """
+        from dsp_plugin.mesh import DP_DIMS, flat_group, mesh_sizes
+
+        sizes = mesh_sizes(mesh, "Topology.from_mesh")
+        tp, dsp, pp = sizes.get("tp", 1), sizes["dsp"], sizes.get("pp", 1)
+        world = dist.get_world_size()
+        dp = validate_sizes(world, tp=tp, dsp=dsp, pp=pp)
+        dp_dims = [d for d in DP_DIMS if d in sizes]
+        return cls(tp=tp, dsp=dsp, dp=dp, pp=pp, rank=dist.get_rank(), world_size=world,
+                   tp_group=flat_group(mesh, [d for d in ("tp",) if d in sizes]),
+                   dsp_group=flat_group(mesh, ["dsp"]), dp_group=flat_group(mesh, dp_dims),
+                   pp_group=flat_group(mesh, [d for d in ("pp",) if d in sizes]),
+                   dp_dsp_group=flat_group(mesh, [*dp_dims, "dsp"]),
+                   model_parallel_group=flat_group(mesh, [d for d in ("pp", "tp") if d in sizes]),
+                   layout=rank_layout(world, tp=tp, dsp=dsp, pp=pp), mesh=mesh)
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
         """Coordinates of ``rank`` (default: this rank) on each axis."""
