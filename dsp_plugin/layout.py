@@ -179,9 +179,21 @@ def note(x: torch.Tensor, name: str, value: Any) -> torch.Tensor:
     if torch.compiler.is_compiling():  # no aliases while tracing: reentrant recompute does not run compiled
         return x
     _pending.append(weakref.ref(x))  # keyed when a lookup by alias needs it (``_pending``)
+    base = x._base
+    if base is not None and _same_view(x, base):
+        # an identity view made by a framework's hook (FSDP2's pre-forward hands a module such views of its inputs
+        # that require grad): noted on the tensor it views too, which outlives it (a checkpoint holds that one),
+        # so a recompute's new view of the same tensor finds the note
+        setattr(base, name, value)
+        _pending.append(weakref.ref(base))
     if len(_pending) > _PENDING_LIMIT:
         _key_pending()
     return x
+
+
+def _same_view(x: torch.Tensor, base: torch.Tensor) -> bool:
+    return (x.shape == base.shape and x.stride() == base.stride() and x.storage_offset() == base.storage_offset()
+            and x.dtype == base.dtype)
 
 
 def noted(x: torch.Tensor, name: str, default: Any = None) -> Any:
