@@ -151,6 +151,13 @@ RULES: list[Rule] = [
          tests=("tests/test_deepspeed_convention.py", "tests/test_deepspeed_gradients.py")),
     Rule(r"docs/deepspeed\.md:json", "run"),
     Rule(r"examples/train_wan_deepspeed\.py", "covered", tests=("tests/test_example_wan_deepspeed.py",)),
+    # ---- FSDP2 ---------------------------------------------------------------------------------------------------
+    Rule(r"examples/train_wan_fsdp2\.py --dsp 2 --steps 3 --compile$", "check",
+         "inductor builds C++ for minutes on a CPU (285 s for the first step on 2 cores); "
+         "tests/test_example_wan_fsdp2.py runs --compile with the aot_eager backend"),
+    Rule(r"examples/train_wan_fsdp2\.py", "covered", tests=("tests/test_example_wan_fsdp2.py",)),
+    Rule(r"docs/fsdp\.md:python:import torch\nfrom torch\.distributed\.device_mesh", "covered",
+         tests=("tests/test_fsdp.py",), why="the order of wrapping, as tests/test_fsdp.py's _Job applies it"),
     Rule(r"examples/evoformer_dap\.py", "covered", tests=("tests/test_evoformer_dap.py",)),
     # ---- sampling --------------------------------------------------------------------------------------------
     Rule(r"^README\.md:bash:\.venv/bin/torchrun --nproc-per-node 2 -m dsp_plugin\.launch\.sample_latte",
