@@ -43,8 +43,8 @@ import importlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-__all__ = ["agree_on_query_groups", "data_iterators_leave_rng_alone", "exit_is_failure", "fail_on_silent_exit_in_load", "reset_log_on_first_boundary",
-           "use_prebuilt_dataset_helpers"]
+__all__ = ["agree_on_query_groups", "data_iterators_leave_rng_alone", "exit_is_failure", "fail_on_silent_exit_in_load",
+           "reset_log_on_first_boundary", "use_prebuilt_dataset_helpers"]
 
 
 def use_prebuilt_dataset_helpers() -> Callable[[], None]:
