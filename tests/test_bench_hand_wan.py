@@ -101,7 +101,7 @@ def test_a_fake_world_learns_what_a_real_one_does() -> None:
     import dsp_plugin
     from dsp_plugin import every_gradient
     from dsp_plugin.bench.wan import _setup
-    from dsp_plugin.dryrun.world import fake_world
+    from dsp_plugin.fake_world import fake_world
 
     with fake_world(2, dsp=2):
         reference, batch = _setup(SIZE)

@@ -201,10 +201,10 @@ RULES: list[Rule] = [
          r"--recompute full$", "run", expect="fits", timeout=600),
     Rule(r"dsp_plugin\.plan\.dryrun", "check", "the line above runs the 14B dry run; tests/test_dryrun.py runs the "
          "same code on tiny configs against real gloo steps (a 14B sweep takes minutes)"),
-    Rule(r"dsp_plugin\.plan\.check( --model tiny-latte|$)", "covered",
+    Rule(r"dsp_plugin\.check( --model tiny-latte|$)", "covered",
          tests=("tests/test_plan_check.py::test_good_plan_exits_zero",
                 "tests/test_plan_check.py::test_wrong_axis_plan_exits_nonzero_naming_the_module")),
-    Rule(r"dsp_plugin\.plan\.check --model dsp_plugin\.testing\.tiny_video_more:cosmos", "covered",
+    Rule(r"dsp_plugin\.check --model dsp_plugin\.testing\.tiny_video_more:cosmos", "covered",
          tests=("tests/test_plan_check.py::test_cosmos_and_kandinsky5_are_checked_in_their_own_dtypes",
                 "tests/test_plan_check.py::test_json_report"),
          why="the same check through the checker's own functions on the test ranks; --json through main()"),

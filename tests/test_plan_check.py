@@ -1,8 +1,8 @@
-"""``python -m dsp_plugin.plan.check``, as a user runs it: a good plan exits 0, a wrong-axis plan exits 1 naming
+"""``python -m dsp_plugin.check``, as a user runs it: a good plan exits 0, a wrong-axis plan exits 1 naming
 the first module whose output differs, a bad argument exits 2 before anything is spawned. The first two are
 docs/models.md's two lines, run as printed.
 
-The rest call the checker's own functions on the rank pool (``check._rank`` on every rank, ``check_report.report``
+The rest call the checker's own functions on the rank pool (``cli._rank`` on every rank, ``report.report``
 here), which is what ``main`` does on processes of its own: every tensor of a tuple output compared and named
 (a toy block, Wan VACE's control blocks), Cosmos and Kandinsky 5 checked in their own dtypes where float64 fails,
 the Gather message, the JSON report, and every argument refused before a rank starts."""
@@ -27,9 +27,9 @@ PLANS = "tests.plan_check_plans"
 TINY = "dsp_plugin.testing.tiny_video_more"
 
 
-def _check(*args: str) -> subprocess.CompletedProcess[str]:
+def _check(*args: str, module: str = "dsp_plugin.check") -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "dsp_plugin.plan.check", *args], cwd=ROOT, env=env,
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300, check=False)
 
 
@@ -53,14 +53,15 @@ def test_wrong_axis_plan_exits_nonzero_naming_the_module() -> None:
 
 
 def test_unknown_model_exits_two_naming_it() -> None:
-    run = _check("--model", "tiny-nothing", "--nproc", "2")
+    run = _check("--model", "tiny-nothing", "--nproc", "2", module="dsp_plugin.plan.check")   # the old name too
+    assert "dsp_plugin.plan.check is now python -m dsp_plugin.check" in run.stderr, run.stderr
     assert run.returncode == 2, run.stdout + run.stderr
     assert "'tiny-nothing'" in run.stderr and "tiny-hunyuan-video" in run.stderr, run.stderr
 
 
 def _checks(rank: int, world_size: int, cases: list[tuple[str, str, str]]) -> list[Any]:
-    """``check._rank`` for each (model, plan, dtype): its Result, or the error it raised."""
-    from dsp_plugin.plan.check import _rank
+    """``cli._rank`` for each (model, plan, dtype): its Result, or the error it raised."""
+    from dsp_plugin.check.cli import _rank
 
     out = []
     for model, plan, dtype in cases:
@@ -72,7 +73,7 @@ def _checks(rank: int, world_size: int, cases: list[tuple[str, str, str]]) -> li
 
 
 def _verdicts(cases: list[tuple[str, str, str]], rtol: float | None = None) -> list[Any]:
-    from dsp_plugin.plan.check_report import derived_rtol, report
+    from dsp_plugin.check.report import derived_rtol, report
 
     per_rank = run_distributed(_checks, 2, cases, timeout=300)
     verdicts = []
@@ -156,26 +157,26 @@ def test_gather_on_an_untagged_tensor_names_the_placement_the_forward_holds() ->
     (["--plan", "os.path:join"], "--plan 'os.path:join': calling it with the model (TupleModel) raised TypeError"),
     (["--plan", f"{PLANS}:TupleModel"], f"--plan '{PLANS}:TupleModel' is a type; expected a plan"),
     (["--plan", f"{PLANS}:TOKENS"], f"--plan '{PLANS}:TOKENS' is a str; expected a plan"),
-    (["--plan", "dsp_plugin.plan.check:DTYPES"], "entry 'float64': torch.float64; expected a module path"),
+    (["--plan", "dsp_plugin.check.cli:DTYPES"], "entry 'float64': torch.float64; expected a module path"),
     (["--model", f"{PLANS}:TOKENS"], f"--model '{PLANS}:TOKENS' is a str; expected a function"),
     (["--json", "/nonexistent/report.json"], ("--json '/nonexistent/report.json': expected a file path in a "
                                               "writable directory")),
 ])
 def test_bad_argument_exits_two_before_any_rank(argv: list[str], expected: str, capsys: Any,
                                                 monkeypatch: Any) -> None:
-    from dsp_plugin.plan import check
+    from dsp_plugin.check import cli as check
 
     monkeypatch.setattr(check, "run_check", lambda *a, **k: pytest.fail("a rank was started"))
     argv = ["--model", f"{PLANS}:tuple_case", *argv] if "--model" not in argv else argv
     assert check.main(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("python -m dsp_plugin.plan.check: error: ") and expected in err, err
+    assert err.startswith("python -m dsp_plugin.check: error: ") and expected in err, err
     assert len(err.splitlines()) == 1, err
 
 
 def test_json_report(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
     # main() end to end, its ranks on the pool instead of processes of its own
-    from dsp_plugin.plan import check
+    from dsp_plugin.check import cli as check
 
     monkeypatch.setattr(check, "run_check", lambda model, plan, nproc, dtype, seed: run_distributed(
         check._rank, nproc, model, plan, dtype, seed))
@@ -193,8 +194,8 @@ def test_json_report(tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
 
 def test_a_tensor_not_compared_is_not_ok() -> None:
     # an output tensor the checker could not place against one process: the verdict names it, never OK
-    from dsp_plugin.plan.check_report import report
-    from dsp_plugin.plan.compare import Element, ModuleResult, Result
+    from dsp_plugin.check.report import report
+    from dsp_plugin.check.compare import Element, ModuleResult, Result
 
     placed = Element("output[0]", out_diff=0.0, out_scale=1.0)
     lost = Element("output[1]", out_scale=1.0, note="shape (2, 3) is not placed against (2, 5): not compared")

@@ -75,7 +75,7 @@ def test_an_error_in_a_planned_forward_closes_what_its_hooks_opened() -> None:
     and the block's frame are closed), and the forward's own error is the one raised."""
     import dsp_plugin
     from dsp_plugin.bench.wan import _setup
-    from dsp_plugin.dryrun.world import fake_world
+    from dsp_plugin.fake_world import fake_world
     from dsp_plugin.plan.attention import current_call
     from dsp_plugin.plan.frames import frames
 

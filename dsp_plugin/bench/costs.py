@@ -70,7 +70,7 @@ def measure_against_hand(n: int = 2, size: tuple[int, ...] | None = None, *, rou
                          collective_timeout_s=300)
         plan_s, hand_s = ([max(times) for times in zip(*[r[i] for r in per_rank])] for i in (0, 1))
     else:
-        from dsp_plugin.dryrun.world import fake_world
+        from dsp_plugin.fake_world import fake_world
 
         threads = torch.get_num_threads()
         torch.set_num_threads(1)

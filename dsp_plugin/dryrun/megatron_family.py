@@ -81,7 +81,7 @@ def megatron_args(argv: list[str], world: int) -> Any:
 
 def dry_run_megatron(setup: Any, spec: ModelSpec, geometry: Geometry, hw: Hardware) -> Any:
     """``setup`` on fake tensors as rank 0 of a fake world (``megatron_step`` with ``fake=True``)."""
-    from dsp_plugin.dryrun.world import fake_world
+    from dsp_plugin.fake_world import fake_world
 
     start = time.perf_counter()
     with fake_world(setup.world, tp=setup.tp, dsp=setup.dsp):

@@ -47,7 +47,7 @@ def _dry_run_diffusers(setup: Setup, spec: ModelSpec, geometry: Geometry, hw: Ha
     from dsp_plugin.dryrun import diffusers_family
     from dsp_plugin.dryrun.memory import MemoryTracker
     from dsp_plugin.dryrun.state import PERSISTENCE_THRESHOLD, deepspeed_state
-    from dsp_plugin.dryrun.world import fake_world
+    from dsp_plugin.fake_world import fake_world
     from dsp_plugin.plan import parallelize
 
     start = time.perf_counter()

@@ -7,7 +7,7 @@ worth checking: Wan VACE's control blocks return a tuple (the hint for the main
 stream, the control stream for the next control block); Cosmos and Kandinsky 5
 keep modules in fp32 (``_keep_in_fp32_modules``) and fail when the whole model is
 cast to fp64, so the plan checker checks them in their own dtypes
-(``python -m dsp_plugin.plan.check --dtype model``).
+(``python -m dsp_plugin.check --dtype model``).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from dsp_plugin.plan.compare import ROOT, Result
+from dsp_plugin.check.compare import ROOT, Result
 
 __all__ = ["FLOAT64_RTOL", "Verdict", "derived_rtol", "report", "to_json"]
 

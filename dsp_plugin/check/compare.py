@@ -6,7 +6,7 @@ parallelized with the plan; both on the same batch with the same fixed
 weighted-sum loss. Per call of each planned module, every tensor of its output
 (tuples, lists, dicts, diffusers' output classes) is compared with the
 reference's tensor of the same name restricted to this rank's part, and so is
-its gradient in backward (``compare_outputs``). The gradients of each module's
+its gradient in backward (``dsp_plugin.check.outputs``). The gradients of each module's
 parameters, summed over the group (``reduce_gradients``, the project's
 convention), are compared with the reference's, and so are the model's outputs
 and the input gradients (partial per rank: summed).
@@ -32,7 +32,7 @@ from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.comm import group_rank, group_size, reduce_gradients
 from dsp_plugin.comm.collectives import all_reduce_sum
 from dsp_plugin.plan.args import expand, tensors
-from dsp_plugin.plan.compare_outputs import (
+from dsp_plugin.check.outputs import (
     Element,
     Placed,
     difference,
