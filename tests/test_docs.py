@@ -197,9 +197,9 @@ RULES: list[Rule] = [
          "(docs/benchmarks.md)"),
     Rule(r"dsp_plugin\.bench\.memory", "run", subs=(("$", " --nproc 2 --frames 2 --size 8"),),
          expect="ideal 1/N"),
-    Rule(r"dsp_plugin\.plan\.dryrun --model wan2\.1-14b --frames 81 --height 720 --width 1280 --dsp 8 --zero 3 "
+    Rule(r"dsp_plugin\.dryrun --model wan2\.1-14b --frames 81 --height 720 --width 1280 --dsp 8 --zero 3 "
          r"--recompute full$", "run", expect="fits", timeout=600),
-    Rule(r"dsp_plugin\.plan\.dryrun", "check", "the line above runs the 14B dry run; tests/test_dryrun.py runs the "
+    Rule(r"dsp_plugin\.dryrun", "check", "the line above runs the 14B dry run; tests/test_dryrun.py runs the "
          "same code on tiny configs against real gloo steps (a 14B sweep takes minutes)"),
     Rule(r"dsp_plugin\.check( --model tiny-latte|$)", "covered",
          tests=("tests/test_plan_check.py::test_good_plan_exits_zero",

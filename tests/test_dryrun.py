@@ -1,6 +1,6 @@
 """The dry run against reality: the same step, fake tensors on a fake world against real tensors on gloo.
 
-``python -m dsp_plugin.plan.dryrun`` predicts rank 0's memory and collectives from fake tensors;
+``python -m dsp_plugin.dryrun`` predicts rank 0's memory and collectives from fake tensors;
 ``tests/dryrun_reference.py`` runs the same step for real on N gloo processes (N = 2 and 4) with
 the tiny shipped configs of the three families the issue names: Wan (full attention through the
 head switch), Latte (factorized, diffusers) and the paper's STDiT through Megatron's flags. Held:
@@ -97,7 +97,7 @@ def test_dry_run_equals_a_real_cpu_step(dry_runs: dict, real_runs: tuple[int, li
 
 def test_json_interface_and_errors() -> None:
     """``--json`` prints one object with the byte counts the issue names; a bad size is refused by name."""
-    out = json.loads(_python("-m", "dsp_plugin.plan.dryrun", "--model", "tiny-wan", "--dsp", "2", "--zero", "3",
+    out = json.loads(_python("-m", "dsp_plugin.dryrun", "--model", "tiny-wan", "--dsp", "2", "--zero", "3",
                              "--json"))
     for key in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "peak_bytes", "collectives"):
         assert key in out
@@ -107,6 +107,7 @@ def test_json_interface_and_errors() -> None:
     bad = subprocess.run([sys.executable, "-m", "dsp_plugin.plan.dryrun", "--model", "wan2.1-14b", "--frames", "80"],
                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--frames 80" in bad.stderr and "77, 81" in bad.stderr, bad.stderr
+    assert "dsp_plugin.plan.dryrun is now python -m dsp_plugin.dryrun" in bad.stderr, bad.stderr  # the old name
 
 
 #: the ZeRO stages held against a real engine, per world size (each stage's engine in turn, one run per size)

@@ -1,4 +1,4 @@
-"""``python -m dsp_plugin.plan.dryrun``: a bad size, a bad model file or a bad ``--plot`` is refused by name,
+"""``python -m dsp_plugin.dryrun``: a bad size, a bad model file or a bad ``--plot`` is refused by name,
 exit status 2, before any dry run (issue 52: silent 1, 2; unclear 1-5).
 
 In process: ``main(argv)`` with ``dry_run`` replaced by a stub that fails the test, so "before the work" is
@@ -24,7 +24,7 @@ def no_dry_run(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _main(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    from dsp_plugin.plan.dryrun import main
+    from dsp_plugin.dryrun.cli import main
 
     try:
         code = main(argv)

@@ -54,7 +54,7 @@ def test_sample_out_is_checked_before_sampling_on_every_rank(tmp_path: Path) -> 
 def test_train_dsp_and_deepspeed_outputs_are_checked_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                            capsys: pytest.CaptureFixture) -> None:
     from dsp_plugin.launch import train_dsp
-    from dsp_plugin.launch.paths import OutputPathError
+    from dsp_plugin.paths import OutputPathError
 
     bad = _blocked(tmp_path) / "losses.json"
     monkeypatch.setattr(sys, "argv", ["train_dsp", "--steps", "1", "--out", str(bad)])

@@ -26,7 +26,7 @@ SCRIPTS: dict[str, tuple[str, str | None, tuple[str, ...]]] = {
     "dsp-train-deepspeed": ("dsp_plugin.launch.train_deepspeed:main", "deepspeed", ("deepspeed",)),
     "dsp-pretrain-stdit": ("dsp_plugin.launch.pretrain_stdit:main", "megatron", ("megatron.core",)),
     "dsp-bench": ("dsp_plugin.bench.__main__:main", "bench", ()),
-    "dsp-dryrun": ("dsp_plugin.plan.dryrun:main", None, ()),
+    "dsp-dryrun": ("dsp_plugin.dryrun.cli:main", None, ()),
 }
 
 

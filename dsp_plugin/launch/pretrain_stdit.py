@@ -29,7 +29,7 @@ from megatron.training.arguments import parse_and_validate_args
 
 from dsp_plugin.failures import launch_main
 from dsp_plugin.launch.cli import argument_errors
-from dsp_plugin.launch.paths import check_output_dir
+from dsp_plugin.paths import check_output_dir
 from dsp_plugin.megatron.arguments import add_dsp_arguments
 from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers
 from dsp_plugin.megatron.flops import install_flops_formula

@@ -86,7 +86,7 @@ def check_args(args: argparse.Namespace, torchrun_world: int | None) -> int:
     """Every argument error, before a process is started or a model built; returns the world size."""
     import importlib.util
 
-    from dsp_plugin.launch.paths import OutputPathError, check_output_dir, check_output_file
+    from dsp_plugin.paths import OutputPathError, check_output_dir, check_output_file
 
     for module in ("diffusers", "transformers"):
         if importlib.util.find_spec(module) is None:
@@ -108,7 +108,7 @@ def check_args(args: argparse.Namespace, torchrun_world: int | None) -> int:
                                            or importlib.util.find_spec("imageio_ffmpeg") is None):
             fail(f"--output {out}: writing .mp4 needs imageio and imageio-ffmpeg; install the extra: "
                  f"pip install 'dsp_plugin[diffusers]'")
-        try:     # writable (its directory created), not a directory: before the work (dsp_plugin.launch.paths)
+        try:     # writable (its directory created), not a directory: before the work (dsp_plugin.paths)
             check_output_file("--output", out)
         except OutputPathError as exc:
             fail(str(exc))
