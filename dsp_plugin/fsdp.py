@@ -115,7 +115,8 @@ def fully_shard(model: nn.Module, mesh: Any = None, *, blocks: Iterable[nn.Modul
                              f"parameters are plain tensors over the data-parallel and DSP dims only; expected "
                              f"{dim} of size 1 (with tensor or pipeline parallelism call torch's fully_shard on "
                              f"your stage yourself and set_gradient_divide_factor(dp), docs/fsdp.md)")
-    units = planned_blocks(model) if blocks is None else list(blocks)
+    planned = planned_blocks(model)  # refuses a model not parallelized yet
+    units = planned if blocks is None else list(blocks)
     _check_plan_group(model, mesh)
     fsdp_mesh = data_parallel_mesh(mesh)
     factor = float(gradient_divide_factor(mesh))

@@ -165,7 +165,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict[int, float]:
     model = dsp_plugin.parallelize(model, group=mesh["dsp"])                     # DSP: the built-in Wan plan
     if args.compile:            # the layers inside each block: the plan's and FSDP's hooks on the block stay eager
         for block in model.blocks:
-            for layer in block.children():
+            for layer in (block.attn1, block.attn2, block.ffn):
                 layer.compile(backend=args.compile_backend)
     precision = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                  if args.precision == "bf16" else MixedPrecisionPolicy())
