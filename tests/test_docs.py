@@ -172,7 +172,7 @@ RULES: list[Rule] = [
     Rule(r"docs/(models|inference)\.md:python", "covered",
          tests=("tests/test_adapters_docs.py::test_python_blocks_run",)),
     Rule(r"pytest -s tests/test_sampling_latte\.py", "covered", tests=("tests/test_sampling_latte.py",)),
-    Rule(r"python -m dsp_plugin\.pipelines\.latency", "covered",
+    Rule(r"python -m dsp_plugin\.bench\.latency", "covered",
          tests=("tests/test_docs_commands.py::test_latency_command_writes_its_table_and_plot",)),
     # ---- benches ---------------------------------------------------------------------------------------------
     Rule(r"bench --scale-only --calibration measured\.json", "run", subs=(("measured.json", "{calibration}"),),

@@ -1,4 +1,4 @@
-"""The static imports of ``dsp_plugin/`` form no cycle.
+"""The static imports of ``dsp_plugin/`` form no cycle, between modules and between packages, and point down.
 
 Every module of the package is parsed (``ast``, nothing imported) and each import
 becomes an edge, at module level and inside functions alike:
@@ -14,6 +14,12 @@ dynamic imports. A package's ``__init__`` is not an edge of its submodules' impo
 ``from package import name``, which is an edge).
 
 A cycle is reported as the modules in order, first module repeated at the end.
+
+Packages (and the package's top-level modules) stand in layers, each importing only its own layer or
+those below (``LAYERS``): the tools on top (the launches, the benches, the dry run, the plan checker and
+the tiny models they share), then the samplers (``pipelines``), then the adapters, then the plan
+runtime, the integrations and the head switch, then ``comm`` and the core modules. The package's face
+(``dsp_plugin/__init__.py``) is the one exception: it re-exports from below.
 """
 
 from __future__ import annotations
@@ -143,6 +149,44 @@ def test_the_package_imports_form_no_cycle() -> None:
     assert len(graph) > 50 and sum(map(len, graph.values())) > 100, "the scan found too few modules or imports"
     found = cycles(graph)
     assert found == [], "import cycles in dsp_plugin/:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+#: layer of each package or top-level module of dsp_plugin/ (a higher layer imports from its own or lower ones)
+TOOLS, SAMPLERS, ADAPTERS, LIBRARY, CORE = 4, 3, 2, 1, 0
+LAYERS = {
+    **dict.fromkeys(("launch", "bench", "dryrun", "check", "testing"), TOOLS),
+    "pipelines": SAMPLERS,
+    "adapters": ADAPTERS,
+    **dict.fromkeys(("plan", "megatron", "deepspeed", "head_switch", "baselines", "models", "fsdp"), LIBRARY),
+}
+
+
+def unit(module: str) -> str | None:
+    """The package (or top-level module) of ``dsp_plugin`` a module belongs to; None for the package's face."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else None
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    units: dict[str, set[str]] = {}
+    for name, imported in graph.items():
+        source = unit(name)
+        if source is None:
+            continue
+        units.setdefault(source, set()).update(u for u in map(unit, imported) if u not in (None, source))
+    return units
+
+
+def test_the_packages_form_no_cycle_and_import_down() -> None:
+    graph = import_graph()
+    units = package_graph(graph)
+    found = cycles(units)
+    assert found == [], "import cycles between packages of dsp_plugin/:\n" + "\n".join(" -> ".join(c) for c in found)
+    upward = sorted(f"{a} (layer {LAYERS.get(a, CORE)}) imports {b} (layer {LAYERS.get(b, CORE)}): "
+                    + ", ".join(sorted(f"{m} -> {t}" for m in graph if unit(m) == a for t in graph[m] if unit(t) == b))
+                    for a, targets in units.items() for b in targets if LAYERS.get(b, CORE) > LAYERS.get(a, CORE))
+    assert not upward, "imports that point up a layer:\n" + "\n".join(upward)
+    assert all(name in units for name in LAYERS), sorted(set(LAYERS) - set(units))   # no stale names
 
 
 def test_the_scan_finds_function_level_relative_and_submodule_imports(tmp_path: Path) -> None:

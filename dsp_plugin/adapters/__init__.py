@@ -2,9 +2,8 @@
 
 ``LatteDSP`` and ``SpatioTemporalDSP`` wrap the models' built-in plans
 (``dsp_plugin.plan.builtin``, hooks); ``LatteDSP.forward_shard`` keeps latents
-sharded across a sampling loop (the samplers are in ``dsp_plugin.pipelines``;
-``parallelize_latte_pipeline``, ``parallelize_wan_pipeline`` and ``sampling_groups``
-stay importable from here as aliases). ``Sharded`` is for a
+sharded across a sampling loop (the samplers are in ``dsp_plugin.pipelines``, which
+builds on this package, not the other way). ``Sharded`` is for a
 forward written by hand where hooks cannot reach a model: a view in the plan
 vocabulary (split at entry, a switch before each block that needs one,
 fold/unfold with local lengths between blocks, gather at exit). The model file
@@ -17,8 +16,7 @@ from __future__ import annotations
 
 from dsp_plugin.adapters.sharded import Sharded, check_divisible_lengths
 
-__all__ = ["LatteDSP", "Sharded", "SpatioTemporalDSP", "check_divisible_lengths", "parallelize_latte_pipeline",
-           "parallelize_wan_pipeline", "sampling_groups"]
+__all__ = ["LatteDSP", "Sharded", "SpatioTemporalDSP", "check_divisible_lengths"]
 
 
 def __getattr__(name: str):  # noqa: ANN202 - lazy, so `import dsp_plugin.adapters` does not import diffusers
@@ -31,7 +29,6 @@ def __getattr__(name: str):  # noqa: ANN202 - lazy, so `import dsp_plugin.adapte
 
         return SpatioTemporalDSP
     if name in ("parallelize_latte_pipeline", "parallelize_wan_pipeline", "sampling_groups"):
-        from dsp_plugin import pipelines  # moved there; aliases kept
-
-        return getattr(pipelines, name)
+        raise AttributeError(f"dsp_plugin.adapters.{name} moved: import it from dsp_plugin.pipelines (the samplers "
+                             f"build on the adapters, so the adapters no longer import them)")
     raise AttributeError(f"module 'dsp_plugin.adapters' has no attribute {name!r}")

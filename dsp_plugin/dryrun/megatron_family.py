@@ -58,7 +58,7 @@ def megatron_args(argv: list[str], world: int) -> Any:
     """Megatron's own parsing and validation of ``argv`` (with the DSP and model options) for ``world`` ranks."""
     from megatron.training.arguments import parse_args, validate_args
 
-    from dsp_plugin.launch.pretrain_stdit import ARGS_DEFAULTS, extra_args_provider
+    from dsp_plugin.megatron.pretrain_args import ARGS_DEFAULTS, extra_args_provider
 
     env = {"WORLD_SIZE": str(world), "CUDA_DEVICE_MAX_CONNECTIONS": "1"}  # what a launch exports
     saved_argv, saved_env = sys.argv, {k: os.environ.get(k) for k in env}

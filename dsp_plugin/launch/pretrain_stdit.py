@@ -29,37 +29,18 @@ from megatron.training.arguments import parse_and_validate_args
 
 from dsp_plugin.failures import launch_main
 from dsp_plugin.launch.cli import argument_errors
-from dsp_plugin.paths import check_output_dir
-from dsp_plugin.megatron.arguments import add_dsp_arguments
 from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers
 from dsp_plugin.megatron.flops import install_flops_formula
-from dsp_plugin.megatron.resume import add_load_arguments, check_load_path
+from dsp_plugin.megatron.pretrain_args import ARGS_DEFAULTS, extra_args_provider
+from dsp_plugin.megatron.resume import check_load_path
 from dsp_plugin.megatron.steps import (
     SyntheticVideoDataset,
-    add_model_arguments,
     forward_step,
     model_provider,
     video_buckets_from_args,
     video_shape_from_args,
 )
-
-ARGS_DEFAULTS = {"tokenizer_type": "NullTokenizer", "vocab_size": 1}
-
-
-def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """DSP options (the flag) plus the latent video geometry of the synthetic data."""
-    return escape_help_percents(add_load_arguments(add_model_arguments(add_dsp_arguments(parser))))
-
-
-def escape_help_percents(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """``--help`` formats every help string with ``%``; megatron-core has a bare one ("10%") that crashes it."""
-    import re
-
-    for action in parser._actions:
-        if action.help and action.help is not argparse.SUPPRESS:
-            # keep "%%" and "%(default)s"; double a bare "%"
-            action.help = re.sub(r"%(%|\(\w+\)[a-z])?", lambda m: m.group(0) if m.group(1) else "%%", action.help)
-    return parser
+from dsp_plugin.paths import check_output_dir
 
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None,
@@ -117,8 +98,12 @@ PROG = "dsp_plugin.launch.pretrain_stdit"
 def main() -> None:
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
 
-    from dsp_plugin.megatron.compat import (agree_on_query_groups, data_iterators_leave_rng_alone,
-                                            fail_on_silent_exit_in_load, reset_log_on_first_boundary)
+    from dsp_plugin.megatron.compat import (
+        agree_on_query_groups,
+        data_iterators_leave_rng_alone,
+        fail_on_silent_exit_in_load,
+        reset_log_on_first_boundary,
+    )
     from dsp_plugin.megatron.cpu import cuda_is_real, cuda_shim
 
     with contextlib.ExitStack() as stack:

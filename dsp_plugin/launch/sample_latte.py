@@ -26,8 +26,8 @@ import torch.distributed as dist
 from dsp_plugin import backend as runtime
 from dsp_plugin.accounting import CommAccounting
 from dsp_plugin.failures import launch_main, reporting
-from dsp_plugin.paths import OutputPathError, check_output_dir, check_output_file, raise_on_every_rank
 from dsp_plugin.log import setup
+from dsp_plugin.paths import OutputPathError, check_output_dir, check_output_file, raise_on_every_rank
 from dsp_plugin.pipelines import parallelize_latte_pipeline, sampling_groups
 from dsp_plugin.testing.tiny import tiny_latte_pipeline, tiny_prompt_embeds
 from dsp_plugin.topology import set_topology

@@ -43,9 +43,9 @@ from dsp_plugin.deepspeed.config import require_dsp_config
 from dsp_plugin.deepspeed.engine import load_config
 from dsp_plugin.failures import launch_main, reporting
 from dsp_plugin.launch.cli import argument_errors, warn_renamed
-from dsp_plugin.paths import check_output_file
 from dsp_plugin.log import setup
 from dsp_plugin.models import STDiT, STDiTConfig
+from dsp_plugin.paths import check_output_file
 from dsp_plugin.steplog import log_first_call
 from dsp_plugin.topology import set_topology
 

@@ -41,9 +41,9 @@ from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.failures import launch_main, reporting
 from dsp_plugin.launch import train_state
 from dsp_plugin.launch.cli import argument_errors
-from dsp_plugin.paths import check_output_dir, check_output_file
 from dsp_plugin.log import setup
 from dsp_plugin.models import STDiT, STDiTConfig
+from dsp_plugin.paths import check_output_dir, check_output_file
 from dsp_plugin.plan.builtin import stdit_schedule
 
 

@@ -3,7 +3,7 @@
 ``frame_sharded`` holds what the samplers share (``FrameShardedSampler``: checks, groups, the shard,
 the CFG exchange; ``sampling_groups`` to cut the world into CFG x DSP); ``latte_sampler``,
 ``wan_sampler`` and ``hunyuan_sampler`` each hold one pipeline's loop (``wan_vae``: Wan's tiled VAE decode
-split over the DSP ranks); ``python -m dsp_plugin.pipelines.latency`` measures sampling latency. Importing
+split over the DSP ranks). ``python -m dsp_plugin.bench.latency`` measures their latency. Importing
 this package needs torch only; diffusers is imported when a sampler is built.
 See docs/inference.md.
 """
