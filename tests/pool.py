@@ -279,6 +279,14 @@ def _reset_torch() -> None:
             hooks.clear()
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
+    if "torch.distributed.tensor" in sys.modules:
+        # DTensor caches its sharding decisions by mesh equality: an equal mesh of the next run would find this
+        # run's entries, whose process groups died with this run's ("Could not resolve the process group ...")
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+        _clear_sharding_prop_cache()
+        _gen_transform_infos.cache_clear()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
