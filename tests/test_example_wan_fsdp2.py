@@ -21,7 +21,6 @@ import pytest
 pytest.importorskip("diffusers")
 
 from tests.distributed import run_distributed
-from tests.test_fsdp import fresh_dtensor_caches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +42,6 @@ class _Lines(logging.Handler):
 
 
 def _straight_then_resumed(rank: int, world: int, save: str) -> dict[str, Any]:
-    fresh_dtensor_caches()                    # an earlier run's equal mesh (tests/test_fsdp.py)
     example = _example()
     lines = _Lines()
     logging.getLogger("dsp_plugin").addHandler(lines)

@@ -84,17 +84,6 @@ def reference() -> dict[str, Any]:
     return out
 
 
-def fresh_dtensor_caches() -> None:
-    """Forget DTensor's cached sharding decisions. They are keyed by mesh equality (layout, names), so an equal mesh
-    of an earlier run on the same pool process, whose groups were destroyed with that run's process group, would be
-    found there and its group names used: "Could not resolve the process group registered under the name 11"."""
-    from torch.distributed.tensor._redistribute import _gen_transform_infos
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    _gen_transform_infos.cache_clear()
-
-
 class _Job:
     """One rank's FSDP2 training: the mesh, the topology from it, the plan, fully_shard, Adam, the loader."""
 
@@ -136,7 +125,6 @@ def _train(rank: int, world: int, mesh: str, save_dir: str | None) -> dict[str, 
     """The 4-step run; with ``save_dir`` also the resume: 1 step and a save, then a new model loads and runs 3."""
     from dsp_plugin import fsdp_checkpoint
 
-    fresh_dtensor_caches()
     shape, names, checkpointing = MESHES[mesh]
     job, grads = _Job(shape, names, checkpointing), {}
     out: dict[str, Any] = {"losses": [job.step(grads if i == 0 else None) for i in range(STEPS)],
@@ -205,7 +193,6 @@ def _refusals(rank: int, world: int) -> dict[str, Any]:
             return f"{type(exc).__name__}: {exc}"
         return "no error"
 
-    fresh_dtensor_caches()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "dsp"))
     topology = dsp_plugin.Topology.from_mesh(mesh)
     ranks = torch.distributed.get_process_group_ranks
