@@ -42,8 +42,8 @@ from dsp_plugin.comm import all_reduce_mean
 from dsp_plugin.deepspeed import checkpoint, initialize  # DSP (was: deepspeed.initialize)
 from dsp_plugin.failures import launch_main, reporting
 from dsp_plugin.launch.cli import argument_errors, usage_error
-from dsp_plugin.paths import check_output_file
 from dsp_plugin.log import get_logger, setup
+from dsp_plugin.paths import check_output_file
 from dsp_plugin.steplog import log_first_call
 
 log = get_logger("dsp_plugin.examples.train_wan_deepspeed")

@@ -29,9 +29,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsp_plugin.accounting import CommAccounting
-from dsp_plugin.comm import group_rank, group_size, reduce_gradients
-from dsp_plugin.comm.collectives import all_reduce_sum
-from dsp_plugin.plan.args import expand, tensors
 from dsp_plugin.check.outputs import (
     Element,
     Placed,
@@ -42,6 +39,9 @@ from dsp_plugin.check.outputs import (
     place_output,
     sum_replicated_grads,
 )
+from dsp_plugin.comm import group_rank, group_size, reduce_gradients
+from dsp_plugin.comm.collectives import all_reduce_sum
+from dsp_plugin.plan.args import expand, tensors
 from dsp_plugin.plan.spec import Block, Grid
 
 __all__ = ["Element", "ModuleResult", "Result", "compare", "resolve_plan"]
