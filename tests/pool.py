@@ -25,6 +25,7 @@ what the bad-input tests expect; each rank's state was reset as after any run).
 from __future__ import annotations
 
 import atexit
+import copy
 import gc
 import multiprocessing as mp
 import os
@@ -211,6 +212,7 @@ class _Fresh:
         self.seed = torch.initial_seed()
         self.dtype = torch.get_default_dtype()
         self.handlers = {s: signal.getsignal(s) for s in _SIGNALS}
+        self.diffusers = _attention_registry_state()
 
     def enter(self, env: dict[str, str], cwd: str) -> None:
         import torch
@@ -236,6 +238,7 @@ class _Fresh:
                 print(f"rank pool: {reset.__name__} failed; this pool is rebuilt before the next run\n"
                       f"{traceback.format_exc()}", file=sys.stderr, flush=True)
                 clean = False
+        _put_attention_registry_back(self.diffusers)
         torch.set_default_dtype(self.dtype)
         torch.set_grad_enabled(True)
         torch.use_deterministic_algorithms(False)
@@ -248,6 +251,23 @@ class _Fresh:
         os.environ.update(self.env)
         gc.collect()
         return clean
+
+
+def _attention_registry_state() -> dict[str, Any]:
+    """diffusers' attention-backend registry as imported: ``set_attention_backend`` makes its backend the
+    process-wide active one, and a test may register a backend of its own in a slot."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
+    return {name: copy.copy(value) for name, value in vars(registry).items()
+            if name.startswith("_") and not name.startswith("__") and not callable(value)
+            and not isinstance(value, (classmethod, staticmethod))}
+
+
+def _put_attention_registry_back(state: dict[str, Any]) -> None:
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry as registry
+
+    for name, value in state.items():
+        setattr(registry, name, copy.copy(value))
 
 
 def _reset_dsp_plugin() -> None:

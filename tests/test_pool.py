@@ -64,10 +64,13 @@ def _leave_things_behind(rank: int, world_size: int) -> None:
     sys.argv[:] = ["left", "behind"]
     _leave_things_behind.model = parallelize(tiny_wan(), group=torch.distributed.group.WORLD)
     torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+    _leave_things_behind.model.set_attention_backend("flex")   # diffusers makes it the process-wide backend
 
 
 def _observe(rank: int, world_size: int) -> dict[str, Any]:
     """What the next test body sees: it must equal what a fresh process sees."""
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
     from dsp_plugin import checks, get_topology, split
 
     topology = get_topology()
@@ -77,7 +80,8 @@ def _observe(rank: int, world_size: int) -> dict[str, Any]:
             "env": os.environ.get("DSP_CHECK"), "dtype": str(torch.get_default_dtype()),
             "grad": torch.is_grad_enabled(), "draw": torch.randn(3).tolist(), "out": out.detach().tolist(),
             "hooks": len(torch.nn.modules.module._global_forward_hooks), "argv_changed": sys.argv == ["left", "behind"],
-            "compiled_frames": len(torch._dynamo.utils.counters["frames"]), "pid": os.getpid()}
+            "compiled_frames": len(torch._dynamo.utils.counters["frames"]), "pid": os.getpid(),
+            "attention_backend": str(_AttentionBackendRegistry.get_active_backend()[0])}
 
 
 def test_a_run_that_leaves_a_hook_or_a_topology_behind_does_not_change_the_next_run() -> None:
