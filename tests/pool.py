@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -213,6 +214,7 @@ class _Fresh:
         self.dtype = torch.get_default_dtype()
         self.handlers = {s: signal.getsignal(s) for s in _SIGNALS}
         self.diffusers = _attention_registry_state()
+        self.compile_configs = _compile_configs()
 
     def enter(self, env: dict[str, str], cwd: str) -> None:
         import torch
@@ -239,6 +241,10 @@ class _Fresh:
                       f"{traceback.format_exc()}", file=sys.stderr, flush=True)
                 clean = False
         _put_attention_registry_back(self.diffusers)
+        with warnings.catch_warnings():  # loading names settings torch deprecated ("does not do anything")
+            warnings.simplefilter("ignore", FutureWarning)
+            for config, saved in self.compile_configs:
+                config.load_config(saved)
         torch.set_default_dtype(self.dtype)
         torch.set_grad_enabled(True)
         torch.use_deterministic_algorithms(False)
@@ -251,6 +257,15 @@ class _Fresh:
         os.environ.update(self.env)
         gc.collect()
         return clean
+
+
+def _compile_configs() -> list[tuple[Any, bytes]]:
+    """dynamo's, AOTAutograd's and inductor's settings as imported (a test may set one without a patch)."""
+    import torch._dynamo.config
+    import torch._functorch.config
+    import torch._inductor.config
+
+    return [(c, c.save_config()) for c in (torch._dynamo.config, torch._functorch.config, torch._inductor.config)]
 
 
 def _attention_registry_state() -> dict[str, Any]:

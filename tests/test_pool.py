@@ -64,6 +64,7 @@ def _leave_things_behind(rank: int, world_size: int) -> None:
     sys.argv[:] = ["left", "behind"]
     _leave_things_behind.model = parallelize(tiny_wan(), group=torch.distributed.group.WORLD)
     torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
+    torch._dynamo.config.wrap_top_frame = True                 # set, not patched
     _leave_things_behind.model.set_attention_backend("flex")   # diffusers makes it the process-wide backend
 
 
@@ -81,7 +82,8 @@ def _observe(rank: int, world_size: int) -> dict[str, Any]:
             "grad": torch.is_grad_enabled(), "draw": torch.randn(3).tolist(), "out": out.detach().tolist(),
             "hooks": len(torch.nn.modules.module._global_forward_hooks), "argv_changed": sys.argv == ["left", "behind"],
             "compiled_frames": len(torch._dynamo.utils.counters["frames"]), "pid": os.getpid(),
-            "attention_backend": str(_AttentionBackendRegistry.get_active_backend()[0])}
+            "attention_backend": str(_AttentionBackendRegistry.get_active_backend()[0]),
+            "wrap_top_frame": torch._dynamo.config.wrap_top_frame}
 
 
 def test_a_run_that_leaves_a_hook_or_a_topology_behind_does_not_change_the_next_run() -> None:
