@@ -67,6 +67,7 @@ from dsp_plugin.plan.masks import check_mask, gather_key_padding, is_key_padding
 __all__ = ["HeadsCall", "current_call", "enter_heads", "exit_heads"]
 
 _local = threading.local()
+_local.calls = []  # the importing thread's, made now, as plan.frames' (a fresh model's first compiled call)
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 # kernel(q, k, v, mask) -> out, on the head shard, in the layout of its inputs
