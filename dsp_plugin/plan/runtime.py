@@ -45,6 +45,7 @@ from dsp_plugin.plan.args import expand, known_places
 from dsp_plugin.plan.args import map_tensors as _map_tensors
 from dsp_plugin.plan.args import tensors as _tensors
 from dsp_plugin.plan.attention import EmptyShardMode, enter_heads, exit_heads
+from dsp_plugin.plan.compiled_entry import check_compiled_inputs
 from dsp_plugin.plan.frames import (
     Frame,
     OnShard,
@@ -135,10 +136,8 @@ class _Runtime:
             open_frame(Frame(self, dict(io.axes), sharded_io=True, handling=sys.exc_info()[1],
                              members=members, check_always=always))
             return
-        # replicated inputs (not a model inside another's); a compiled call is not checked: the check is a host
-        # sync, and the same inputs' first eager call (or an eager run under DSP_CHECK=1) checks them
-        if not compiling and not any(isinstance(f, Frame) for f in frames()):
-            self.check_inputs(module, a, group)
+        if not any(isinstance(f, Frame) for f in frames()):  # replicated inputs (not a model inside another's)
+            self.check_inputs(module, a, group, compiling)
         grid = {}
         for axis, (name, dim) in self.grid.axes.items():
             value = a.get(name)
@@ -148,13 +147,15 @@ class _Runtime:
             grid[axis] = value.shape[dim]
         open_frame(Frame(self, grid, handling=sys.exc_info()[1], members=members, check_always=always))
 
-    def check_inputs(self, module: nn.Module, a: _Args, group: Any) -> None:
+    def check_inputs(self, module: nn.Module, a: _Args, group: Any, compiling: bool) -> None:
         """Every rank was given the same inputs (``agree_inputs``), when ``checks`` says so: by default once per
-        signature. A signature already agreed is recognized from the call's own arguments, without binding
-        them to the forward's parameters (a ``inspect`` call, on every forward)."""
+        signature, recognized from the call's own arguments without binding them (``inspect``, on every forward).
+        Traced: an op of the graph, which checks at every compiled call (plan/compiled_entry.py)."""
         if group is None or not dist.is_initialized():
             return  # one process: nothing to agree (agree_inputs returns at once too)
         name = f"parallelize({type(module).__name__})"
+        if compiling:
+            return check_compiled_inputs(name, a.passed(), group, hint=INPUT_HINT)
         try:
             ranks = _RANKS.get(group)
         except TypeError:  # not weak-referenceable (torch's NON_GROUP_MEMBER sentinel): asked, not kept
