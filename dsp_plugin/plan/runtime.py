@@ -64,7 +64,7 @@ from dsp_plugin.plan.placement import is_full as _is_full
 from dsp_plugin.plan.placement import split_rows as _split_rows
 from dsp_plugin.plan.placement import untagged as _untagged
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
-from dsp_plugin.plan.wrap import still_wrapped, wrap
+from dsp_plugin.plan.wrap import not_a_tensor, still_wrapped, wrap
 
 __all__ = ["INPUT_HINT", "apply_plan", "current_block", "expand", "remove_plan", "sharded_io"]
 
@@ -451,9 +451,8 @@ class _Runtime:
         """Place the block's activation (switching it when the block attends the sharded axis); return the
         state of its ``("block", ...)`` frame (``pre`` opens ``EmptyShardMode`` there on an empty shard)."""
         x = original = a.get(spec.arg)
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{path}: the block's activation {a.name(spec.arg)!r} is {type(x).__name__}; "
-                             f"expected a tensor (set Block.arg)")
+        if not isinstance(x, torch.Tensor):  # what the call passed; a forward replaced after parallelize (wrap.py)
+            raise ValueError(not_a_tensor(path, a.module, a.name(spec.arg), x))
         frame = self.frame()
         tag, placed, whole = self.placed(path, spec, x)
         grid, shard = placed if whole else self.place_untagged(path, x, spec, placed, frame)
