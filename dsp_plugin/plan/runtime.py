@@ -39,7 +39,7 @@ from dsp_plugin import checks, every_gradient, failures
 from dsp_plugin import layout as carrier
 from dsp_plugin.comm import agree_inputs, chunk_sizes, group_rank, group_size
 from dsp_plugin.comm.group_resolution import _place, _resolve_group
-from dsp_plugin.plan import dispatch, ops, recompute
+from dsp_plugin.plan import dispatch, ops, projections, recompute
 from dsp_plugin.plan.args import Args as _Args
 from dsp_plugin.plan.args import expand, known_places
 from dsp_plugin.plan.args import map_tensors as _map_tensors
@@ -57,6 +57,7 @@ from dsp_plugin.plan.frames import (
     open_frame,
     sharded_io,
 )
+from dsp_plugin.plan.local_args import localize
 from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
 from dsp_plugin.plan.placement import complete as _complete
 from dsp_plugin.plan.placement import holds_all as _holds_all
@@ -465,6 +466,8 @@ class _Runtime:
             shard = spec.then
         if x is not original:  # switched; else the call's own argument stands (tagged in place)
             a.set(spec.arg, x)
+        if spec.local:  # integer arguments computed from global lengths: this rank's (plan/local_args.py)
+            localize(path, a, spec, grid, shard, self.members(frame))
         for name, rows in spec.follow.items():
             c = a.get(name)
             if isinstance(c, torch.Tensor) and shard in rows.axes:
@@ -501,17 +504,20 @@ class _Runtime:
         """The block input's placement, completed (``placement.complete``): from its tag (``placed``), or where
         it carries none, from the forward's frame (``x`` is tagged then, for a recompute)."""
         if placed is None:
-            if frame is None or frame.shard is None:
+            # a recompute (no frame) of a block nested in another (SanaVideo's temporal convolution inside its
+            # block's feed-forward, on a tensor made there): the enclosing block's placement
+            held = (frame.grid, frame.shard) if frame is not None else (current_block() or (None, None))[:2]
+            if held[1] is None:
                 raise ValueError(f"{path}: the activation carries no shard tag and no forward of this model "
                                  f"is in progress; expected a Split before this block")
             # untagged: the frame holds the placement (the model, or a framework's module hook such as
             # ZeRO-3's, passed a new tensor); the lengths of whole dims come from the tensor, like a tag's
-            ops.tag(x, spec.layout, frame.grid, frame.shard)  # in place, so a recompute finds the placement on
+            ops.tag(x, spec.layout, *held)  # in place, so a recompute finds the placement on
             tagged = ops.read_spec(x, spec.layout)             # its input,
             if tagged is None:
                 raise ValueError(f"{path}: the activation of shape {tuple(x.shape)} is not in the block's layout "
                                  f"'{spec.layout}'")
-            placed = ({**frame.grid, **tagged[0]}, frame.shard)
+            placed = ({**held[0], **tagged[0]}, held[1])
             # and the lengths of the axes the tag does not hold
             carrier.note(x, _GRID_ATTR, dict(placed[0]))
         return _complete(path, x, spec.layout, placed, frame)
@@ -607,6 +613,10 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None, *, com
     if heads:  # the head switch at diffusers' attention dispatch too (plan/dispatch.py)
         dispatch.check_model(model, heads)
         dispatch.install()
+    for path, module, specs in rt.entries:  # attention a module computes itself: switched at its projections
+        for spec in specs:
+            if isinstance(spec, Heads) and spec.qkv is not None:
+                rt.handles.extend(projections.install(path, module, spec))
     rt.handles.append(model.register_forward_pre_hook(rt.root_pre, with_kwargs=True))
     for path, module, specs in rt.entries:
         specs = [s for s in specs if not isinstance(s, Grid)]
@@ -631,7 +641,7 @@ def _passes_through(specs: list[Any]) -> bool:
     """A module planned as a ``Block`` alone that neither switches nor splits anything with its activation: its
     hooks hand the placement on (``_Runtime.bypass``)."""
     return len(specs) == 1 and isinstance(specs[0], Block) and specs[0].attends is None and \
-        specs[0].out_shard is None and not specs[0].follow
+        specs[0].out_shard is None and not specs[0].follow and not specs[0].local
 
 
 def _passing_heads(entries: list[tuple[str, nn.Module, list[Any]]]) -> dict[str, Any]:
