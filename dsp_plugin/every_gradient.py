@@ -36,6 +36,11 @@ still learns once (this is correctness, not a check). Cost: the first forward ru
 the mode (a Python call per op) and one all_reduce; later forwards one autograd node and,
 per backward, one zero tensor per rank-dependent parameter.
 
+Under torch.compile the learning forward's hooks run outside dynamo (``_Eager``: a host read and a
+collective), so a fresh model's first call may be the compiled one, ``fullgraph=True`` included; its ops run
+in compiled graphs, which no mode sees, so the parameters it uses are those the output's graph reaches (the
+compiled graphs' autograd nodes have an edge to each parameter they read).
+
 Installed by ``dsp_plugin.parallelize`` (over the plan's group, or the topology's DP x DSP
 group) and by ``dsp_plugin.deepspeed.initialize`` (over DP x DSP, after DeepSpeed's hooks).
 """
@@ -49,7 +54,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from dsp_plugin import checks
@@ -65,7 +70,12 @@ class _Uses(TorchFunctionMode):
 
     def __init__(self, index: dict[int, int]) -> None:
         super().__init__()
-        self.index, self.used = index, [0] * len(index)
+        self.index, self.used, self.entered = index, [0] * len(index), False
+
+    def leave(self) -> None:
+        if self.entered:
+            self.entered = False
+            self.__exit__(None, None, None)
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -134,32 +144,36 @@ class _State:
     def resolved(self) -> Any:
         return self.group() if callable(self.group) else self.group
 
-    def before(self, _: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+    def learns(self) -> bool:
+        """Whether the next forward learns (its hooks run eagerly then, ``_Eager``)."""
+        return self.late is None or checks.check_mode() == "always"
+
+    def before(self, model: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if not torch.is_grad_enabled() or not self.params or _size(self.resolved()) == 1:
             return None
-        if self.late is None and any(is_fake(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+        compiling = torch.compiler.is_compiling()  # traced: learned already (else ``_Eager`` runs this)
+        if self.late is None and not compiling and \
+                any(is_fake(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
             self.late = set()  # the dry run (plan/dryrun.py) models a steady step: no learning forward, no values
-        learn = self.late is None or checks.check_mode() == "always"
+        learn = self.late is None or (not compiling and checks.check_mode() == "always")
         hung = list(range(len(self.params))) if learn else sorted(self.late)  # type: ignore[arg-type]
         if learn and self.mode is None:
             self.mode = _Uses(self.index)
-            self.mode.__enter__()
+            if not _compiled(model):  # a compiled forward's ops are seen by no mode: its graph tells (``reached``)
+                self.mode.__enter__()
+                self.mode.entered = True
         hung = [i for i in hung if _whole(self.params[i])]
         if not hung:
             return None
-        leaves, spec = tree_flatten((args, kwargs))
-        for i, leaf in enumerate(leaves):
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                leaves[i] = _Touch.apply(leaf, self, hung, *(self.params[j] for j in hung))
-                return tree_unflatten(leaves, spec)
-        return None   # no floating-point input: nothing to hang the term on (docs/api.md)
+        hung_on = _hang((args, kwargs), lambda x: _Touch.apply(x, self, hung, *(self.params[j] for j in hung)))
+        return hung_on   # None: no floating-point input, nothing to hang the term on (docs/api.md)
 
-    def after(self, _: torch.nn.Module, args: Any, output: Any) -> None:
+    def after(self, model: torch.nn.Module, args: Any, output: Any) -> None:
         """The forward returned: agree on what each rank used (one all_reduce), then stop learning."""
         mode, self.mode = self.mode, None
         if mode is None:
             return
-        mode.__exit__(None, None, None)
+        mode.leave()
         mode.reached(output)
         group = self.resolved()
         counts = torch.tensor(mode.used, dtype=torch.int64)
@@ -175,8 +189,78 @@ class _State:
     def cleanup(self, *_: Any) -> None:
         """Always called: after a forward that raised, leave the mode (nothing learned, no collective)."""
         if self.mode is not None:
-            self.mode.__exit__(None, None, None)
+            self.mode.leave()
             self.mode = None
+
+
+class _Eager:
+    """A hook of a learning forward, run outside torch.compile's tracing: it reads values on the host and sends a
+    collective, which no graph can hold. Called from torch's module call, not from traced code (``torch.compile
+    (model)`` and ``model.compile()`` run a model's own hooks outside dynamo), it is no graph break; traced with
+    the forward (``wrap_top_frame``, a model called in a compiled function) it is one, whose reason says so. Once
+    nothing is left to learn, the hook itself takes its place (``_settle``): traced from then on, as before."""
+
+    def __init__(self, hook: Any, state: _State) -> None:
+        self.hook, self.state = hook, state
+
+    def __call__(self, *args: Any) -> Any:  # ``torch.compiler.disable``d at the first ``install``
+        try:
+            return self.hook(*args)
+        finally:
+            if not self.state.learns():
+                _settle(args[0], self.state)
+
+
+_TRACED_REASON = ("dsp_plugin: a parallelized model's first forward learns on the host which parameters each rank "
+                  "uses (dsp_plugin/every_gradient.py), outside the graph; where the model's hooks are traced with "
+                  "its forward (wrap_top_frame, a model called in a compiled function) the compiled code keeps the "
+                  "model's hooks as frames of their own, as torch.compile(model) has them. For one graph, run one "
+                  "eager forward before compiling")
+
+
+def _disable_tracing() -> None:
+    """``_Eager.__call__`` out of dynamo's reach, once (imports torch._dynamo; diffusers imports it too)."""
+    if getattr(_Eager.__call__, "_dsp_disabled", False):
+        return
+    try:
+        call = torch.compiler.disable(_Eager.__call__, reason=_TRACED_REASON)
+    except TypeError:  # torch < 2.8: no reason
+        call = torch.compiler.disable(_Eager.__call__)
+    call._dsp_disabled = True
+    _Eager.__call__ = call  # type: ignore[method-assign]
+
+
+def _compiled(model: torch.nn.Module) -> bool:
+    """Whether this forward of ``model`` runs compiled (``torch.compile(model)``, ``model.compile()``)."""
+    in_optimized = getattr(torch._dynamo.eval_frame, "_is_in_optimized_module", None)
+    return getattr(model, "_compiled_call_impl", None) is not None or (in_optimized is not None and in_optimized())
+
+
+def _settle(model: torch.nn.Module, state: _State) -> None:
+    """``state``'s hooks on ``model`` as themselves, no longer ``_Eager`` (same places: the hook order stays)."""
+    for hooks in (model._forward_pre_hooks, model._forward_hooks):
+        for key, hook in list(hooks.items()):
+            if type(hook) is _Eager and hook.state is state:
+                hooks[key] = hook.hook
+
+
+def _hang(value: Any, touch: Any) -> Any:
+    """``value`` with ``touch`` applied to its first floating-point tensor (in pytree's order, through tuples, lists
+    and dicts, which dynamo traces, unlike pytree's unflatten); None if it has none."""
+    if isinstance(value, torch.Tensor):
+        return touch(value) if value.is_floating_point() else None
+    if isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            hung = _hang(item, touch)
+            if hung is not None:
+                items = [*value[:i], hung, *value[i + 1:]]
+                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            hung = _hang(item, touch)
+            if hung is not None:
+                return {**value, key: hung} if type(value) is dict else type(value)({**value, key: hung})
+    return None
 
 
 def _whole(p: torch.nn.Parameter) -> bool:
@@ -206,12 +290,13 @@ def install(model: torch.nn.Module, *, group: Any, unused: bool = False) -> list
     (DDP's or ZeRO's group; the DSP group at least), or a function returning it at the forward.
     """
     remove(model)
+    _disable_tracing()
     state = _State([p for p in model.parameters() if p.requires_grad], group, unused)
     # after the model's other pre-hooks: ZeRO-3 gathers the model's own and external parameters in its
     # own (installed by initialize before this); a plan's Split of the model's input made its shard,
     # whose tag the view below keeps (``layout.shard_spec`` finds it on the same view of the same memory)
-    handles = [model.register_forward_pre_hook(state.before, with_kwargs=True),
-               model.register_forward_hook(state.after),
-               model.register_forward_hook(state.cleanup, always_call=True)]
+    handles = [model.register_forward_pre_hook(_Eager(state.before, state), with_kwargs=True),
+               model.register_forward_hook(_Eager(state.after, state)),
+               model.register_forward_hook(_Eager(state.cleanup, state), always_call=True)]
     model.__dict__[_ATTR] = handles
     return handles

@@ -36,7 +36,9 @@ def test_compiled_wan_guards_read_neither_the_attention_registry_nor_inspect() -
     texts = [" ".join(g.code_list or [g.name]) for g in explained.out_guards]
     print(f"compiled tiny Wan: {explained.graph_count} graph(s), {explained.graph_break_count} break(s), "
           f"{len(texts)} guards")
-    assert explained.graph_break_count == 0
+    # no break: the model's own pre-hook is a frame of its own (torch runs a compiled model's hooks outside dynamo),
+    # whose graph holds the entry check's op (plan/compiled_entry.py); the forward is the other graph
+    assert not explained.break_reasons and explained.graph_count == 2, explained.break_reasons
     registry = [t for t in texts if "plan_dot_dispatch" in t]
     print(f"  on plan.dispatch's state: {len(registry)}: {registry}")
     # what the wrapper reads at a call (whether diffusers' checks are on), not the backends and their checks

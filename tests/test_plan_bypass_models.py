@@ -29,20 +29,26 @@ from tests.distributed import run_distributed  # noqa: E402
 TINY_VIDEO = ["tiny-wan", "tiny-latte", "tiny-hunyuan-video", "tiny-ltx-video", "tiny-ltx-video-per-token",
               "tiny-mochi", "tiny-skyreels-v2", "tiny-skyreels-v2-df", "tiny-skyreels-v2-causal", "tiny-easyanimate",
               "tiny-allegro", "tiny-consisid", "tiny-framepack", "tiny-wan-vace", "tiny-wan-animate", "tiny-chronoedit",
-              "tiny-anyflow", "tiny-minimax-h3", "tiny-ltx2"]
+              "tiny-anyflow", "tiny-minimax-h3", "tiny-ltx2", "tiny-cosmos", "tiny-kandinsky6",
+              "tiny-kandinsky5", "tiny-motif-video", "tiny-hunyuan-video15", "tiny-helios", "tiny-sana-video"]
 OTHERS = ["cogvideox", "svd", "stdit-2-axes", "stdit-3-axes"]
 # as tests/test_plan_models.py: where the model computes in fp32 whatever the dtype, that rounding is fp32's
 FP32_INSIDE = ("tiny-mochi", "tiny-skyreels-v2", "tiny-easyanimate", "tiny-consisid", "tiny-wan", "tiny-wan-vace",
-               "tiny-wan-animate", "tiny-chronoedit", "tiny-anyflow", "tiny-minimax-h3", "tiny-ltx2")
+               "tiny-wan-animate", "tiny-chronoedit", "tiny-anyflow", "tiny-minimax-h3", "tiny-ltx2", "tiny-cosmos",
+               "tiny-kandinsky6", "tiny-helios", "tiny-sana-video")
+# these fail in fp64 (their time embeddings feed fp32 to layers of the model's dtype): run in fp32, to 1e-5
+FP32_ONLY = ("tiny-kandinsky5", "tiny-motif-video")
 # block calls that ran without their hooks in the two calls, measured: each 2-layer plan whose blocks are a
 # ``Block`` alone passes through at its second block (the first splits). Not bypassed: blocks that split
 # conditioning with their tokens (``follow``: LTX-Video's timestep, SkyReels-V2's modulation, Latte, SVD) or other
 # arguments (ConsisID, Framepack), that switch (Latte, SVD, STDiT), and HunyuanVideo's single-stream block, whose
 # layout is not the double-stream block's that handed the placement on.
 # Measured as well: Wan VACE its second control block and second main block per call, Wan Animate (4 blocks, a
-# face adapter after blocks 0 and 2) one block per call, ChronoEdit its second block.
+# face adapter after blocks 0 and 2) one block per call, ChronoEdit its second block, HunyuanVideo 1.5 its second
+# block (its plan's blocks are a ``Block`` alone; the mask its processor builds from a rank's tokens is laid out for
+# the global sequence by the head switch, ``Heads``, which a bypassed block keeps: equal to one process to 2e-16).
 BYPASSED = {"tiny-wan": 2, "tiny-mochi": 2, "tiny-easyanimate": 2, "tiny-allegro": 2, "cogvideox": 2,
-            "tiny-wan-vace": 4, "tiny-wan-animate": 2, "tiny-chronoedit": 2}
+            "tiny-wan-vace": 4, "tiny-wan-animate": 2, "tiny-chronoedit": 2, "tiny-hunyuan-video15": 2}
 
 
 def _cogvideox() -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -92,7 +98,7 @@ def _case(name: str) -> tuple[torch.nn.Module, dict[str, Any]]:
     from dsp_plugin.testing.tiny_video import case, cast
 
     if name in TINY_VIDEO:
-        return case(name, torch.float64)
+        return case(name, torch.float32 if name in FP32_ONLY else torch.float64)
     build = {"cogvideox": _cogvideox, "svd": _svd, "stdit-2-axes": _stdit(2), "stdit-3-axes": _stdit(3)}[name]
     model, kwargs = build()
     return model.double(), cast(kwargs, torch.float64)
@@ -154,7 +160,7 @@ def test_every_builtin_plan_sampled_without_autograd_equals_one_process() -> Non
             if isinstance(d, str):
                 failures.append(f"{where}: raised {d}")
                 continue
-            tol = 1e-6 if name in FP32_INSIDE else 1e-12
+            tol = 1e-5 if name in FP32_ONLY else 1e-6 if name in FP32_INSIDE else 1e-12
             failures += [f"{where}: the {call} call's output differs from one process by {d[call]:.3g} (relative; "
                          f"expected < {tol:g})" for call in ("first", "second") if not d[call] < tol]
             if d["bypassed"] != BYPASSED.get(name, 0):

@@ -104,9 +104,7 @@ class Args:
         self._places: dict[str, int | None] | None | bool = False  # False: not looked up yet
         self.changed = False
 
-    def _where(self, name: str) -> tuple[str, Any] | None:
-        """("args", index) or ("kwargs", name) where the call passed parameter ``name``; None where it did not
-        pass it; bound (``self.bound``) when the signature is not a plain one."""
+    def _lookup(self) -> dict[str, int | None] | None:
         if self._places is False:
             forward, known = runs(self.module), self._known  # inside the plan's wrapper (plan/wrap.py)
             # not getattr(forward, "__func__", None): torch 2.13's dynamo answers another object than __func__
@@ -114,13 +112,34 @@ class Args:
                 self._places = known[1]  # the same forward as when they were found
             else:
                 self._places = _places(forward)
-        places = self._places
+        return self._places  # type: ignore[return-value]
+
+    def _where(self, name: str) -> tuple[str, Any] | None:
+        """("args", index) or ("kwargs", name) where the call passed parameter ``name``; None where it did not
+        pass it; bound (``self.bound``) when the signature is not a plain one."""
+        places = self._lookup()
         if places is None or self._bound is not None or name not in places:  # not plain, or **kwargs' own name
             return ("bound", name)
         if name in self.kwargs:
             return ("kwargs", name)
         index = places[name]
         return ("args", index) if index is not None and index < len(self.args) else None
+
+    def passed(self) -> dict[str, Any]:
+        """The arguments the call passed, by name, in the signature's order (``bound.arguments``), found without
+        binding where the places are known (traced under torch.compile: no ``inspect``); those a ``**kwargs``
+        takes by their own names."""
+        places = self._lookup()
+        if places is None or self._bound is not None:
+            return dict(self.bound.arguments)
+        values = {}
+        for name, index in places.items():
+            if name in self.kwargs:
+                values[name] = self.kwargs[name]
+            elif index is not None and index < len(self.args):
+                values[name] = self.args[index]
+        values.update({k: v for k, v in self.kwargs.items() if k not in places})
+        return values
 
     @property
     def sig(self) -> inspect.Signature:

@@ -62,11 +62,19 @@ from dsp_plugin.comm import chunk_sizes, group_rank, group_size
 from dsp_plugin.head_switch import exchange
 from dsp_plugin.plan import recompute
 from dsp_plugin.plan.frames import current_block
-from dsp_plugin.plan.masks import check_mask, gather_key_padding, is_key_padding, place_mask
+from dsp_plugin.plan.masks import (
+    check_mask,
+    gather_key_padding,
+    gather_pairs,
+    is_key_padding,
+    is_local_pairs,
+    place_mask,
+)
 
 __all__ = ["HeadsCall", "current_call", "enter_heads", "exit_heads"]
 
 _local = threading.local()
+_local.calls = []  # the importing thread's, made now, as plan.frames' (a fresh model's first compiled call)
 _SDPA = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 # kernel(q, k, v, mask) -> out, on the head shard, in the layout of its inputs
@@ -116,6 +124,10 @@ class HeadsCall:
         local, full = self.switch_local, self.switch_full
         width, count = len(local), q.shape[seq] - mine
         compiling = torch.compiler.is_compiling()  # traced once, maybe with symbolic shapes: nothing cached
+        if self.n > 1 and is_local_pairs(mask, local=count + mine, total=count + total):  # HunyuanVideo 1.5's
+            mask = recompute.replay((self.where, "pairs", call), lambda m: gather_pairs(
+                self.where, m, lengths=self.lengths, axis=self.axis, count=count, joint=self.joint, group=self.group),
+                mask)
         if error is None:
             # a shape seen before without a mask passed the same checks: not checked again
             seen = (q.shape, k.shape, seq, head) if mask is None and not compiling else None

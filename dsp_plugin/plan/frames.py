@@ -25,6 +25,9 @@ from typing import Any
 __all__ = ["OnShard", "close_frame", "current_block", "current_frame", "frames", "open_frame", "sharded_io"]
 
 _local = threading.local()
+# the importing thread's, made now: a fresh model's first compiled call then reads what later calls read (made at
+# its first read, dynamo guards on their absence, and the next call recompiles the whole forward)
+_local.frames, _local.current = [], {}
 
 
 def frames() -> list[Any]:

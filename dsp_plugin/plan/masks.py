@@ -47,6 +47,15 @@ contributes this rank's own columns of it, which gives it back unchanged. A
 local mask with a query dim > 1 cannot be placed (its rows are this rank's
 queries, and the switched attention holds every query) and is refused on
 every rank, naming its shape; so is a local mask outside ``sharded_io``.
+
+One local mask with query rows is laid out, under ``sharded_io`` or not: a bool
+padding mask of query-key pairs ``[B | 1, 1, S, S]``, ``mask[i, j] = p[i] & p[j]``
+over this rank's ``S = R + L_local`` tokens, which HunyuanVideo 1.5's processor
+builds from its text mask and the tokens it is called with. Its diagonal ``p`` is
+the tokens' padding: the video entries are gathered (one all_gather per attention
+call: the processor builds a new mask each call) and the pairs rebuilt for
+``R + L`` tokens (``gather_pairs``). Each rank checks that its mask is such a
+product; one of that shape that is not is refused on every rank after the gather.
 """
 
 from __future__ import annotations
@@ -56,7 +65,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["check_mask", "gather_key_padding", "is_key_padding", "place_mask"]
+__all__ = ["check_mask", "gather_key_padding", "gather_pairs", "is_key_padding", "is_local_pairs", "place_mask"]
 
 
 def _block_mask_type() -> type | None:
@@ -150,3 +159,43 @@ def place_mask(mask: Any, heads: int, mine: tuple[int, int]) -> Any:
     if isinstance(mask, torch.Tensor) and mask.dim() >= 3 and mask.shape[-3] == heads and heads > 1:
         return mask.narrow(mask.dim() - 3, *mine)
     return mask
+
+
+def is_local_pairs(mask: Any, *, local: int, total: int) -> bool:
+    """By shape alone (the same decision on every rank): a square bool mask ``[B | 1, 1, S, S]`` built for this
+    rank's ``S = R + L_local`` tokens where the sequence holds ``R + L`` (``local != total``): a candidate for
+    ``gather_pairs`` (HunyuanVideo 1.5's processor pads its text mask to the tokens it is called with)."""
+    return (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.dim() == 4 and local != total
+            and mask.shape[1] == 1 and mask.shape[-2] == mask.shape[-1] == local)
+
+
+def gather_pairs(where: str, mask: torch.Tensor, *, lengths: list[tuple[int, int]], axis: int, count: int,
+                 joint: str | None, group: Any) -> torch.Tensor:
+    """A padding mask of query-key pairs ``p ⊗ p`` (``[B, 1, S, S]``, ``p`` the tokens' padding over this rank's
+    ``S = R + L_local`` tokens), laid out for the global sequence: ``p``'s video entries gathered (one all_gather,
+    its ``R`` joint entries kept in place, as ``gather_key_padding``), the global pairs rebuilt ``[B, 1, R+L, R+L]``.
+
+    Every rank checks that its mask is such an outer product (a bool mask and its diagonal ``p``: ``mask == p_i &
+    p_j``); one that is not sends a marker inside the same gather, and every rank then refuses it, naming its
+    shape: a mask of another kind built from a shard cannot be placed."""
+    from dsp_plugin.comm import gather
+
+    local, full = [a for a, _ in lengths], [b for _, b in lengths]
+    mine, last = math.prod(local), 3
+    pad = mask.diagonal(dim1=-2, dim2=-1)                       # [B, 1, S]: the tokens' padding
+    ok = bool(torch.equal(mask, pad.unsqueeze(-1) & pad.unsqueeze(-2)))
+    first = joint == "first"
+    keys = pad.unsqueeze(-2)                                    # [B, 1, 1, S]
+    text = keys.narrow(last, 0 if first else mine, count)
+    video = keys.narrow(last, count if first else 0, mine).to(torch.uint8)
+    if not ok:
+        video = torch.full_like(video, 2)                       # the marker: every rank refuses after the gather
+    whole = gather(video.unflatten(last, local).contiguous(), last + axis, group=group, global_len=full[axis])
+    if bool((whole == 2).any()):
+        raise ValueError(f"{where}: an attention mask of shape {tuple(mask.shape)} built from a rank's {mine + count} "
+                         f"tokens is not a padding mask of query-key pairs (mask[i, j] == p[i] & p[j]) on every rank, "
+                         f"so it cannot be laid out for the global sequence; expected that, or a mask built for the "
+                         f"global sequence ({count + math.prod(full)} keys)")
+    whole = whole.flatten(last, last + len(full) - 1).bool()
+    keys = torch.cat((text, whole) if first else (whole, text), dim=last)  # [B, 1, 1, R + L]
+    return keys.transpose(-1, -2) & keys

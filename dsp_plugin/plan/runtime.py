@@ -39,12 +39,13 @@ from dsp_plugin import checks, every_gradient, failures
 from dsp_plugin import layout as carrier
 from dsp_plugin.comm import agree_inputs, chunk_sizes, group_rank, group_size
 from dsp_plugin.comm.group_resolution import _place, _resolve_group
-from dsp_plugin.plan import dispatch, ops, recompute
+from dsp_plugin.plan import dispatch, ops, projections, recompute
 from dsp_plugin.plan.args import Args as _Args
 from dsp_plugin.plan.args import expand, known_places
 from dsp_plugin.plan.args import map_tensors as _map_tensors
 from dsp_plugin.plan.args import tensors as _tensors
 from dsp_plugin.plan.attention import EmptyShardMode, enter_heads, exit_heads
+from dsp_plugin.plan.compiled_entry import check_compiled_inputs
 from dsp_plugin.plan.frames import (
     Frame,
     OnShard,
@@ -56,6 +57,7 @@ from dsp_plugin.plan.frames import (
     open_frame,
     sharded_io,
 )
+from dsp_plugin.plan.local_args import localize
 from dsp_plugin.plan.placement import GRID_ATTR as _GRID_ATTR
 from dsp_plugin.plan.placement import complete as _complete
 from dsp_plugin.plan.placement import holds_all as _holds_all
@@ -63,7 +65,7 @@ from dsp_plugin.plan.placement import is_full as _is_full
 from dsp_plugin.plan.placement import split_rows as _split_rows
 from dsp_plugin.plan.placement import untagged as _untagged
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
-from dsp_plugin.plan.wrap import still_wrapped, wrap
+from dsp_plugin.plan.wrap import not_a_tensor, still_wrapped, wrap
 
 __all__ = ["INPUT_HINT", "apply_plan", "current_block", "expand", "remove_plan", "sharded_io"]
 
@@ -135,10 +137,8 @@ class _Runtime:
             open_frame(Frame(self, dict(io.axes), sharded_io=True, handling=sys.exc_info()[1],
                              members=members, check_always=always))
             return
-        # replicated inputs (not a model inside another's); a compiled call is not checked: the check is a host
-        # sync, and the same inputs' first eager call (or an eager run under DSP_CHECK=1) checks them
-        if not compiling and not any(isinstance(f, Frame) for f in frames()):
-            self.check_inputs(module, a, group)
+        if not any(isinstance(f, Frame) for f in frames()):  # replicated inputs (not a model inside another's)
+            self.check_inputs(module, a, group, compiling)
         grid = {}
         for axis, (name, dim) in self.grid.axes.items():
             value = a.get(name)
@@ -148,13 +148,15 @@ class _Runtime:
             grid[axis] = value.shape[dim]
         open_frame(Frame(self, grid, handling=sys.exc_info()[1], members=members, check_always=always))
 
-    def check_inputs(self, module: nn.Module, a: _Args, group: Any) -> None:
+    def check_inputs(self, module: nn.Module, a: _Args, group: Any, compiling: bool) -> None:
         """Every rank was given the same inputs (``agree_inputs``), when ``checks`` says so: by default once per
-        signature. A signature already agreed is recognized from the call's own arguments, without binding
-        them to the forward's parameters (a ``inspect`` call, on every forward)."""
+        signature, recognized from the call's own arguments without binding them (``inspect``, on every forward).
+        Traced: an op of the graph, which checks at every compiled call (plan/compiled_entry.py)."""
         if group is None or not dist.is_initialized():
             return  # one process: nothing to agree (agree_inputs returns at once too)
         name = f"parallelize({type(module).__name__})"
+        if compiling:
+            return check_compiled_inputs(name, a.passed(), group, hint=INPUT_HINT)
         try:
             ranks = _RANKS.get(group)
         except TypeError:  # not weak-referenceable (torch's NON_GROUP_MEMBER sentinel): asked, not kept
@@ -450,9 +452,8 @@ class _Runtime:
         """Place the block's activation (switching it when the block attends the sharded axis); return the
         state of its ``("block", ...)`` frame (``pre`` opens ``EmptyShardMode`` there on an empty shard)."""
         x = original = a.get(spec.arg)
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{path}: the block's activation {a.name(spec.arg)!r} is {type(x).__name__}; "
-                             f"expected a tensor (set Block.arg)")
+        if not isinstance(x, torch.Tensor):  # what the call passed; a forward replaced after parallelize (wrap.py)
+            raise ValueError(not_a_tensor(path, a.module, a.name(spec.arg), x))
         frame = self.frame()
         tag, placed, whole = self.placed(path, spec, x)
         grid, shard = placed if whole else self.place_untagged(path, x, spec, placed, frame)
@@ -465,6 +466,8 @@ class _Runtime:
             shard = spec.then
         if x is not original:  # switched; else the call's own argument stands (tagged in place)
             a.set(spec.arg, x)
+        if spec.local:  # integer arguments computed from global lengths: this rank's (plan/local_args.py)
+            localize(path, a, spec, grid, shard, self.members(frame))
         for name, rows in spec.follow.items():
             c = a.get(name)
             if isinstance(c, torch.Tensor) and shard in rows.axes:
@@ -501,17 +504,20 @@ class _Runtime:
         """The block input's placement, completed (``placement.complete``): from its tag (``placed``), or where
         it carries none, from the forward's frame (``x`` is tagged then, for a recompute)."""
         if placed is None:
-            if frame is None or frame.shard is None:
+            # a recompute (no frame) of a block nested in another (SanaVideo's temporal convolution inside its
+            # block's feed-forward, on a tensor made there): the enclosing block's placement
+            held = (frame.grid, frame.shard) if frame is not None else (current_block() or (None, None))[:2]
+            if held[1] is None:
                 raise ValueError(f"{path}: the activation carries no shard tag and no forward of this model "
                                  f"is in progress; expected a Split before this block")
             # untagged: the frame holds the placement (the model, or a framework's module hook such as
             # ZeRO-3's, passed a new tensor); the lengths of whole dims come from the tensor, like a tag's
-            ops.tag(x, spec.layout, frame.grid, frame.shard)  # in place, so a recompute finds the placement on
+            ops.tag(x, spec.layout, *held)  # in place, so a recompute finds the placement on
             tagged = ops.read_spec(x, spec.layout)             # its input,
             if tagged is None:
                 raise ValueError(f"{path}: the activation of shape {tuple(x.shape)} is not in the block's layout "
                                  f"'{spec.layout}'")
-            placed = ({**frame.grid, **tagged[0]}, frame.shard)
+            placed = ({**held[0], **tagged[0]}, held[1])
             # and the lengths of the axes the tag does not hold
             carrier.note(x, _GRID_ATTR, dict(placed[0]))
         return _complete(path, x, spec.layout, placed, frame)
@@ -607,6 +613,10 @@ def apply_plan(model: nn.Module, plan: dict[str, Any], group: Any = None, *, com
     if heads:  # the head switch at diffusers' attention dispatch too (plan/dispatch.py)
         dispatch.check_model(model, heads)
         dispatch.install()
+    for path, module, specs in rt.entries:  # attention a module computes itself: switched at its projections
+        for spec in specs:
+            if isinstance(spec, Heads) and spec.qkv is not None:
+                rt.handles.extend(projections.install(path, module, spec))
     rt.handles.append(model.register_forward_pre_hook(rt.root_pre, with_kwargs=True))
     for path, module, specs in rt.entries:
         specs = [s for s in specs if not isinstance(s, Grid)]
@@ -631,7 +641,7 @@ def _passes_through(specs: list[Any]) -> bool:
     """A module planned as a ``Block`` alone that neither switches nor splits anything with its activation: its
     hooks hand the placement on (``_Runtime.bypass``)."""
     return len(specs) == 1 and isinstance(specs[0], Block) and specs[0].attends is None and \
-        specs[0].out_shard is None and not specs[0].follow
+        specs[0].out_shard is None and not specs[0].follow and not specs[0].local
 
 
 def _passing_heads(entries: list[tuple[str, nn.Module, list[Any]]]) -> dict[str, Any]:

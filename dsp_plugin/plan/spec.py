@@ -23,6 +23,7 @@ blocks), ``"B S D"`` a flat token sequence (Wan). Only the named sequence axes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["Block", "Gather", "Grid", "Heads", "Layout", "Positions", "Split"]
@@ -163,6 +164,11 @@ class Block:
     form the model broadcasts and is left whole.
     ``exact=True``: this block's switches send the activation's own dtype even when
     the plan's ``comm_dtype`` is FP8 (a tensor the model is sensitive to).
+    ``local``: integer arguments the model computed from global lengths, given to the
+    block as this rank's (``plan.local_args``): ``{"frames": "F"}`` an axis's length
+    (SanaVideo unflattens its tokens into ``frames``), or ``fn(value, start, stop,
+    total) -> int`` for any other count, ``[start, stop)`` this rank's range of the
+    sharded axis of length ``total`` (Helios' new tokens after its history).
     """
 
     layout: str | Layout
@@ -172,6 +178,7 @@ class Block:
     out_shard: str | None = None
     follow: dict[str, str | Layout] = field(default_factory=dict)
     exact: bool = False
+    local: dict[str, str | Callable[[int, int, int, int], int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", _layout(self.layout))
@@ -179,6 +186,12 @@ class Block:
         for axis in (self.attends, self.then, self.out_shard):
             if axis is not None:
                 self.layout.dim_of(axis)  # type: ignore[union-attr]
+        for name, rule in self.local.items():
+            if not (callable(rule) or isinstance(rule, str)):
+                raise ValueError(f"Block(local={{{name!r}: {rule!r}}}); expected an axis name or a function "
+                                 f"(value, start, stop, total) -> int")
+            if isinstance(rule, str):
+                self.layout.dim_of(rule)  # type: ignore[union-attr]
 
 
 @dataclass(frozen=True)
@@ -203,12 +216,26 @@ class Heads:
 
     ``exact=("k",)``: under the plan's ``comm_dtype="fp8"`` these of ``"q"``, ``"k"``,
     ``"v"``, ``"out"`` travel in their own dtype (peers found K the most sensitive).
+
+    ``qkv=("norm_q", "norm_k", "to_v"), out="to_out.0"``: attention the module computes
+    itself, per head, without a kernel either level sees (SanaVideo's linear attention):
+    the outputs ``[B, L_local, H*C]`` of these three submodules switch to the head shard
+    ``[B, L, h*C]`` and the input of ``out`` back (``plan.projections``); the module's
+    ``heads`` reads this rank's count during the call.
     """
 
     joint: str | None = None
     exact: tuple[str, ...] = ()
+    qkv: tuple[str, str, str] | None = None
+    out: str | None = None
 
     def __post_init__(self) -> None:
+        if (self.qkv is None) != (self.out is None) or (self.qkv is not None and (
+                not isinstance(self.qkv, tuple) or len(self.qkv) != 3 or not all(isinstance(q, str) for q in self.qkv)
+                or not isinstance(self.out, str) or self.joint is not None)):
+            raise ValueError(f"Heads(qkv={self.qkv!r}, out={self.out!r}, joint={self.joint!r}); expected both or "
+                             f"neither: qkv the paths of the three submodules whose outputs are q, k, v and out the "
+                             f"one whose input is the attention's output, without joint")
         if not isinstance(self.exact, tuple) or any(e not in ("q", "k", "v", "out") for e in self.exact):
             raise ValueError(f"Heads(exact={self.exact!r}); expected a tuple of names among 'q', 'k', 'v', 'out'")
         if self.joint not in (None, "first", "last"):

@@ -20,6 +20,7 @@ pre-hook raised.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import types
 import warnings
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Forward", "Handle", "runs", "still_wrapped", "wrap", "wrappers"]
+__all__ = ["Forward", "Handle", "not_a_tensor", "runs", "still_wrapped", "wrap", "wrappers"]
 
 _log = logging.getLogger("dsp_plugin.plan")
 
@@ -47,6 +48,7 @@ class Forward:
 
     def __init__(self, module: nn.Module, pre: Any, post: Any, bypass: Any = None) -> None:
         self.module, self.pre, self.post, self.active, self.bypass = module, pre, post, True, bypass
+        self.replaced = False  # the module's forward was replaced after parallelize, and this wraps the new one
         self.finish = getattr(bypass, "finish", None)  # kept here: a bench may wrap ``bypass`` to time it
         self.inner: Any = module.__dict__.get("forward")
         self.call = self._call_target()
@@ -130,9 +132,31 @@ def still_wrapped(module: nn.Module, wrapper: Forward, path: str) -> None:
         return
     wrapper.inner = module.__dict__.get("forward")
     wrapper.call = wrapper._call_target()
+    wrapper.replaced = True
     module.forward = wrapper
     _log.info("parallelize: %s's forward was replaced after parallelize; the plan wraps the new one",
               path or type(module).__name__)
+
+
+def not_a_tensor(path: str, module: nn.Module, name: str, value: Any) -> str:
+    """The error for a block whose activation, argument ``name`` of the forward it runs, is ``value``, no tensor:
+    where that forward replaced the module's after parallelize (``still_wrapped``), which one and what to do."""
+    said = f"{path}: the block's activation {name!r} is {type(value).__name__}; expected a tensor"
+    wrapper = module.__dict__.get("forward")
+    if type(wrapper) is not Forward or not getattr(wrapper, "replaced", False):
+        return f"{said} (set Block.arg to the argument of {path}'s forward that carries the block's activation)"
+    forward = wrapper.call
+    try:
+        params: list[str] | None = list(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):  # a callable without a signature
+        params = None
+    shown = getattr(forward, "__qualname__", type(forward).__name__) + (f"({', '.join(params)})" if params else "")
+    lacks = ", which it does not have" if params is not None and name not in params else ""
+    return (f"{said}. {path}'s forward was replaced after parallelize by {shown}; the plan wraps a replacement "
+            f"again at the next eager call and reads the activation from its argument {name!r} (Block.arg){lacks}. "
+            f"Keep the forward's parameter names in the replacement, set Block.arg to the replacement's activation "
+            f"(Block(arg=...)), or replace the forward before parallelize (under torch.compile a forward replaced "
+            f"after parallelize is not wrapped again: its module runs without the plan until an eager call)")
 
 
 def wrap(module: nn.Module, pre: Any, post: Any, bypass: Any = None) -> Handle:

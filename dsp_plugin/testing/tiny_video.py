@@ -7,7 +7,7 @@ pipeline passes them. Every case has 3 attention heads (on 4 ranks one rank hold
 none), 2 samples and 5 latent frames of 3x3 patches (45 video tokens: uneven on 2
 and 4 ranks) unless its name says otherwise, and 7 text tokens of which sample 0
 pads some where the model takes a text mask. Shared by ``tests/test_plan_models.py``
-and the plan checker (``python -m dsp_plugin.plan.check --model tiny-mochi``).
+and the plan checker (``python -m dsp_plugin.check --model tiny-mochi``).
 """
 
 from __future__ import annotations
@@ -272,6 +272,11 @@ CASES.update({
     "tiny-ltx2": _more("tiny_video_wan", "ltx2"),
     "tiny-cosmos": _more("tiny_video_more", "cosmos"),
     "tiny-kandinsky5": _more("tiny_video_more", "kandinsky5"),
+    "tiny-kandinsky6": _more("tiny_video_joint", "kandinsky6"),
+    "tiny-motif-video": _more("tiny_video_joint", "motif_video"),
+    "tiny-hunyuan-video15": _more("tiny_video_joint", "hunyuan_video15"),
+    "tiny-sana-video": _more("tiny_video_joint", "sana_video"),
+    "tiny-helios": _more("tiny_video_wan", "helios"),
 })
 
 
@@ -296,9 +301,10 @@ def case(name: str, dtype: torch.dtype = torch.float32) -> tuple[Any, dict[str, 
 
 def keep_fp32(model: Any) -> Any:
     """``model`` with its ``_keep_in_fp32_modules`` back in fp32, as ``from_pretrained(torch_dtype=...)`` loads it
-    (a module whose name has one of them as a component), where the model fails without (Cosmos' norms, Kandinsky 5's
-    time embedding: a float64 input to their fp32 code); other models are left in the dtype they were cast to."""
-    if type(model).__name__ not in ("CosmosTransformer3DModel", "Kandinsky5Transformer3DModel"):
+    (a module whose name has one of them as a component), where the model fails without (Cosmos' learnable positions:
+    a float64 input to their fp32 norm); other models are left in the dtype they were cast to. (Kandinsky 5 and
+    Motif-Video fail in float64 either way: their time embeddings feed fp32 to layers of the model's dtype.)"""
+    if type(model).__name__ != "CosmosTransformer3DModel":
         return model
     keep = getattr(model, "_keep_in_fp32_modules", None) or []
     for name, module in model.named_modules():

@@ -1,5 +1,5 @@
 """Built-in plans of full-3D video DiTs whose text enters through cross-attention: Wan, SkyReels-V2, LTX-Video,
-Allegro.
+Allegro, Cosmos, Kandinsky 5.
 
 The video tokens are split at the first block; self-attention runs through the head
 switch (2 all-to-alls per layer); cross-attention to the text is per token and runs
@@ -13,7 +13,7 @@ from typing import Any
 
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 
-__all__ = ["ALLEGRO_PLAN", "LTX_VIDEO_PLAN", "SKYREELS_V2_PLAN", "WAN_PLAN"]
+__all__ = ["ALLEGRO_PLAN", "COSMOS_PLAN", "LTX_VIDEO_PLAN", "SKYREELS_V2_PLAN", "WAN_PLAN", "kandinsky5_plan"]
 
 # diffusers' WanTransformer3DModel: full 3D attention over the flattened [B, F*H*W, D] tokens (patch size 1 in
 # time). Shard whole frames of tokens at the first block (3D RoPE is computed for the global grid and split the
@@ -62,3 +62,32 @@ ALLEGRO_PLAN: dict[str, Any] = {
     "transformer_blocks.*.attn1": Heads(),
     "norm_out": Gather(0, "B L D"),
 }
+
+# diffusers' CosmosTransformer3DModel: RoPE [L, K] and learnable positions [B, L, D] computed for the global tokens,
+# split with them at the first block. Cosmos 2's per-frame timestep makes the modulations per token [B, L, D]:
+# they follow the tokens (the per-sample [B, D] has fewer dims than the layout and stays whole), as does a
+# ControlNet's residual. Gathered at norm_out, which modulates with the model's own embeddings.
+COSMOS_PLAN: dict[str, Any] = {
+    "rope": Split("out", "L K", shard="L"),
+    "learnable_pos_embed": Split("out", "B L D", shard="L"),
+    "transformer_blocks.0": Split("hidden_states", "B L D", shard="L"),
+    "transformer_blocks.*": Block("B L D", arg="hidden_states", follow={
+        "embedded_timestep": "B L Dt", "temb": "B L Dt", "controlnet_residual": "B L Dc"}),
+    "transformer_blocks.*.attn1": Heads(),
+    "norm_out": Gather("hidden_states", "B L D"),
+}
+
+
+def kandinsky5_plan(model: Any) -> dict[str, Any]:
+    """diffusers' ``Kandinsky5Transformer3DModel``: the text blocks run whole on every rank; the visual tokens
+    ``[B, L, D]`` are split at the first visual block, their RoPE ``[B, L, 1, K, 2, 2]`` follows them into every
+    block, and the last visual block's output is gathered (the model unflattens it with the global shape next).
+    NABLA sparse attention (``sparse_params``) builds its block mask from this rank's queries and keys, which the
+    head switch refuses at its first call."""
+    last = len(model.visual_transformer_blocks) - 1
+    return {
+        "visual_transformer_blocks.0": Split("visual_embed", "B L D", shard="L"),
+        "visual_transformer_blocks.*": Block("B L D", arg="visual_embed", follow={"rope": "B L"}),
+        "visual_transformer_blocks.*.self_attention": Heads(),
+        f"visual_transformer_blocks.{last}": Gather("out", "B L D"),
+    }

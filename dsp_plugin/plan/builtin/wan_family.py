@@ -1,4 +1,4 @@
-"""Built-in plans of Wan's family in diffusers 0.42.1: Wan VACE, Wan Animate, ChronoEdit, AnyFlow.
+"""Built-in plans of Wan's family in diffusers 0.42.1: Wan VACE, Wan Animate, ChronoEdit, AnyFlow, Helios.
 
 Wan's blocks: self-attention through the head switch, text cross-attention local,
 the tokens split at the first block and gathered before the output stage, the
@@ -13,7 +13,7 @@ from typing import Any
 from dsp_plugin.plan.builtin.cross_attention import WAN_PLAN
 from dsp_plugin.plan.spec import Block, Gather, Heads, Split
 
-__all__ = ["ANYFLOW_PLAN", "CHRONOEDIT_PLAN", "WAN_ANIMATE_PLAN", "WAN_VACE_PLAN"]
+__all__ = ["ANYFLOW_PLAN", "CHRONOEDIT_PLAN", "HELIOS_PLAN", "WAN_ANIMATE_PLAN", "WAN_VACE_PLAN"]
 
 _FRAMES = "B (F HW) D"  # Wan's tokens, whole frames of them per rank (WAN_PLAN)
 
@@ -52,6 +52,25 @@ ANYFLOW_PLAN: dict[str, Any] = {
     "rope": Split("out", "O P L K", shard="L"),
     "blocks.0": Split("hidden_states", "B L D", shard="L"),
     "blocks.*": Block("B L D", arg="hidden_states", follow={"temb": "B L"}),
+    "blocks.*.attn1": Heads(),
+    "norm_out": Gather(0, "B L D"),
+}
+
+
+def _new_tokens(value: int, start: int, stop: int, total: int) -> int:
+    """How many of this rank's tokens ``[start, stop)`` are among the last ``value`` of ``total``."""
+    return max(0, stop - max(start, total - value))
+
+
+# diffusers' HeliosTransformer3DModel: Wan's blocks over the history tokens (short, mid, long: packed before the new
+# frames) and the new ones, per-token modulation and RoPE (following the tokens). Its blocks take
+# original_context_length, the count of new tokens at the end of the sequence, to tell them from the history (history
+# keys amplified, cross-attention for the new tokens only): on a shard, this rank's count of them. Gathered at
+# norm_out, which keeps the new tokens.
+HELIOS_PLAN: dict[str, Any] = {
+    "blocks.0": Split("hidden_states", "B L D", shard="L"),
+    "blocks.*": Block("B L D", arg="hidden_states", follow={"temb": "B L", "rotary_emb": "B L"},
+                      local={"original_context_length": _new_tokens}),
     "blocks.*.attn1": Heads(),
     "norm_out": Gather(0, "B L D"),
 }
