@@ -154,7 +154,7 @@ class _State:
         compiling = torch.compiler.is_compiling()  # traced: learned already (else ``_Eager`` runs this)
         if self.late is None and not compiling and \
                 any(is_fake(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
-            self.late = set()  # the dry run (plan/dryrun.py) models a steady step: no learning forward, no values
+            self.late = set()  # the dry run (python -m dsp_plugin.dryrun) models a steady step: no learning forward, no values
         learn = self.late is None or (not compiling and checks.check_mode() == "always")
         hung = list(range(len(self.params))) if learn else sorted(self.late)  # type: ignore[arg-type]
         if learn and self.mode is None:
@@ -182,7 +182,7 @@ class _State:
         if is_fake(counts):  # the dry run under DSP_CHECK=always: nothing to read
             return
         n = _size(group)
-        if dist.get_backend(group) == "fake":  # a fake world (dsp_plugin.dryrun.world): the sum is rank 0's own
+        if dist.get_backend(group) == "fake":  # a fake world (dsp_plugin.fake_world): the sum is rank 0's own
             counts = counts * n  # flags, and rank 0 stands for every rank (else every used parameter looks late)
         self.late = {i for i, c in enumerate(counts.tolist()) if (self.unused or c > 0) and c < n}
 

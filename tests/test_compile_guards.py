@@ -11,7 +11,7 @@ out while tracing (``plan/runtime.py``, ``plan/args.py``):
 - finding the hooked modules' parameter places (``Args``): dynamo cannot read the ``WeakKeyDictionary`` cache and
   traced ``inspect.signature`` at every hook (~210 guards); ``parallelize`` finds them once (``known_places``).
 
-Counted, not timed: one process, rank 0 of a fake world of 2 (``dsp_plugin.dryrun.world``), ``torch._dynamo.explain``.
+Counted, not timed: one process, rank 0 of a fake world of 2 (``dsp_plugin.fake_world``), ``torch._dynamo.explain``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def test_compiled_wan_guards_read_neither_the_attention_registry_nor_inspect() -
 
     import dsp_plugin
     from dsp_plugin.bench.wan import _setup
-    from dsp_plugin.dryrun.world import fake_world
+    from dsp_plugin.fake_world import fake_world
 
     dynamo.reset()
     with fake_world(2, dsp=2), torch.no_grad():

@@ -20,6 +20,8 @@ those below (``LAYERS``): the tools on top (the launches, the benches, the dry r
 the tiny models they share), then the samplers (``pipelines``), then the adapters, then the plan
 runtime, the integrations and the head switch, then ``comm`` and the core modules. The package's face
 (``dsp_plugin/__init__.py``) is the one exception: it re-exports from below.
+
+No module is over ``MAX_LINES`` lines.
 """
 
 from __future__ import annotations
@@ -203,3 +205,13 @@ def test_the_scan_finds_function_level_relative_and_submodule_imports(tmp_path: 
     assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.sub.c"}
     assert graph["pkg.sub.c"] == {"pkg.a"} and graph["pkg.d"] == {"pkg.a"}
     assert cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.sub.c", "pkg.a"]]
+
+
+#: the most lines a module of ``dsp_plugin/`` may hold: a longer one is split by what its parts do
+MAX_LINES = 500
+
+
+def test_no_module_is_over_the_line_limit() -> None:
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in sorted(PACKAGE.rglob("*.py"))
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by what their parts do): {long}"

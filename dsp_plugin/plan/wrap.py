@@ -3,7 +3,7 @@
 A module with a forward hook takes ``Module._call_impl``'s general path at every call (a closure, the
 hook dicts, its always-call handler): measured cold, as in a forward after a kernel, a module with one
 pre- and one post-hook costs ~9 us a call more than the same two hooks called from a wrapper, and a plan
-hooks every block and attention module of a model (docs/benchmarks.md, "seventh round"). So a planned
+hooks every block and attention module of a model (CHANGELOG.md, the runtime-cost rounds). So a planned
 module's hooks run from :class:`Forward`, set as the instance's ``forward``; torch's own hooks, a
 framework's included, still run around it, and torch's call path stays its fast one.
 
