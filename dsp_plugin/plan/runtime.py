@@ -56,7 +56,7 @@ from dsp_plugin.plan.frames import (
     open_frame,
     sharded_io,
 )
-from dsp_plugin.plan.moves import ONSHARD_ATTR, Moves
+from dsp_plugin.plan.moves import Moves
 from dsp_plugin.plan.spec import Block, Gather, Grid, Heads, Positions, Split
 from dsp_plugin.plan.wrap import still_wrapped, wrap
 
@@ -67,7 +67,6 @@ INPUT_HINT = ("Seed every rank alike before drawing inputs (torch.manual_seed, o
               "seed), give the ranks of a DSP group the same batches (dsp_plugin.dsp_dataloader), or, when the "
               "inputs are this rank's shards on purpose, call the model under dsp_plugin.plan.sharded_io.")
 
-_ONSHARD_ATTR = ONSHARD_ATTR
 # a process group's ranks, for check_inputs' signature (fixed for the group's life; the group held weakly)
 _RANKS: weakref.WeakKeyDictionary[Any, tuple[int, ...]] = weakref.WeakKeyDictionary()
 
