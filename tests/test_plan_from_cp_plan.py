@@ -36,12 +36,10 @@ def _case(name: str) -> tuple[torch.nn.Module, dict[str, Any]]:
 
 
 def _derived(rank: int, n: int, name: str) -> dict[str, Any]:
-    import torch.distributed as dist
 
     import dsp_plugin
-    from dsp_plugin import reduce_gradients
-    from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.plan.builtin import plan_from_cp_plan
+    from tests.test_plan_models import forward_backward
 
     reference, kwargs = _case(name)
     model = copy.deepcopy(reference)
@@ -56,21 +54,11 @@ def _derived(rank: int, n: int, name: str) -> dict[str, Any]:
             dsp_plugin.parallelize(model, plan_from_cp_plan(model))
     finally:
         log.removeHandler(handler)
-    runs, weights = [], None
-    for m in (reference, model):
-        x = kwargs["hidden_states"].clone().requires_grad_(True)
-        with CommAccounting(activations=False) as acct:
-            outs = m(**{**kwargs, "hidden_states": x}) if name == "cp-plan-dit" else \
-                m(**{**kwargs, "hidden_states": x}, return_dict=False)
-            outs = [outs] if isinstance(outs, torch.Tensor) else list(outs)
-            if weights is None:
-                g = torch.Generator().manual_seed(9)
-                weights = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
-            sum((o * w).sum() for o, w in zip(outs, weights)).backward()
-        runs.append(([o.detach() for o in outs], x.grad, acct))
-    (outs_ref, dx_ref, _), (outs, dx, acct) = runs
-    reduce_gradients(model.parameters())
-    dist.all_reduce(dx)
+    def call(m: torch.nn.Module, kw: dict) -> list[torch.Tensor]:
+        outs = m(**kw) if name == "cp-plan-dit" else m(**kw, return_dict=False)
+        return [outs] if isinstance(outs, torch.Tensor) else list(outs)
+
+    (outs_ref, dx_ref), (outs, dx, acct) = forward_backward(reference, model, kwargs, call)
     pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()) if q.grad is not None]
     return {"out": max(_relative(o, r) for o, r in zip(outs, outs_ref)), "dx": _relative(dx, dx_ref),
             "grads": max((g - r).abs().max().item() for g, r in pairs) / max(r.abs().max().item() for _, r in pairs),

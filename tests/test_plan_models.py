@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -214,18 +215,17 @@ NEW_COLLECTIVES = {"tiny-wan-vace": (8, 1, 0), "tiny-wan-animate": (8, 1, 0), "t
 CKPT_BACKWARD = {"tiny-sana-video": 14}
 
 
-def _one(name: str, reference: torch.nn.Module, kwargs: dict, ckpt: bool) -> dict[str, float]:
-    """``name``'s model parallelized by its built-in plan against ``reference`` (fp64): relative differences of
-    every output, the input gradient, every parameter gradient (summed over the group), and the collectives."""
-    model = copy.deepcopy(reference)
-    if ckpt:
-        model.enable_gradient_checkpointing()
-    model = dsp_plugin.parallelize(model)  # no plan: the built-in one for its class
+def forward_backward(reference: torch.nn.Module, model: torch.nn.Module, kwargs: dict,
+                     call: Any) -> tuple[tuple[list, torch.Tensor], tuple[list, torch.Tensor, CommAccounting]]:
+    """``call(m, kwargs)`` (a list of output tensors) on ``reference`` then ``model``, each with its own copy of
+    ``kwargs["hidden_states"]`` requiring grad, and backward of the outputs weighted by the same random tensors.
+    Returns ``(outputs, input gradient)`` of the reference and ``(outputs, input gradient, accounting)`` of the
+    model, whose parameter gradients and input gradient are summed over the group."""
     runs, weights = [], None
     for m in (reference, model):
         x = kwargs["hidden_states"].clone().requires_grad_(True)
         with CommAccounting(activations=False) as acct:
-            outs = [o for o in m(**{**kwargs, "hidden_states": x}, return_dict=False) if o is not None]
+            outs = call(m, {**kwargs, "hidden_states": x})
             if weights is None:
                 g = torch.Generator().manual_seed(9)
                 weights = [torch.randn(o.shape, generator=g, dtype=o.dtype) for o in outs]
@@ -234,6 +234,18 @@ def _one(name: str, reference: torch.nn.Module, kwargs: dict, ckpt: bool) -> dic
     (outs_ref, dx_ref, _), (outs, dx, acct) = runs
     reduce_gradients(model.parameters())
     dist.all_reduce(dx)
+    return (outs_ref, dx_ref), (outs, dx, acct)
+
+
+def _one(name: str, reference: torch.nn.Module, kwargs: dict, ckpt: bool) -> dict[str, float]:
+    """``name``'s model parallelized by its built-in plan against ``reference`` (fp64): relative differences of
+    every output, the input gradient, every parameter gradient (summed over the group), and the collectives."""
+    model = copy.deepcopy(reference)
+    if ckpt:
+        model.enable_gradient_checkpointing()
+    model = dsp_plugin.parallelize(model)  # no plan: the built-in one for its class
+    (outs_ref, dx_ref), (outs, dx, acct) = forward_backward(
+        reference, model, kwargs, lambda m, kw: [o for o in m(**kw, return_dict=False) if o is not None])
     pairs = [(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters())]
     missing = [i for i, (g, r) in enumerate(pairs) if (g is None) != (r is None)]
     assert not missing, f"{name}: gradients present on one side only: parameters {missing}"
