@@ -22,26 +22,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 from collections.abc import Iterator
-
-from megatron.core.enums import ModelType
-from megatron.training import get_args, pretrain, print_rank_0
-from megatron.training.arguments import parse_and_validate_args
+from typing import TYPE_CHECKING
 
 from dsp_plugin.failures import launch_main
-from dsp_plugin.launch.cli import argument_errors
-from dsp_plugin.megatron.compat import use_prebuilt_dataset_helpers
-from dsp_plugin.megatron.flops import install_flops_formula
-from dsp_plugin.megatron.pretrain_args import ARGS_DEFAULTS, extra_args_provider
-from dsp_plugin.megatron.resume import check_load_path
-from dsp_plugin.megatron.steps import (
-    SyntheticVideoDataset,
-    forward_step,
-    model_provider,
-    video_buckets_from_args,
-    video_shape_from_args,
-)
-from dsp_plugin.paths import check_output_dir
 
+if TYPE_CHECKING:
+    from dsp_plugin.megatron.steps import SyntheticVideoDataset
+
+# megatron.training and this package's Megatron modules are imported where they are used, not here: Megatron's
+# first torch_dist save starts a result-queue Manager with multiprocessing's spawn, which imports this module
+# again in a new process per rank (``__mp_main__``); with the imports at the top that took 7 s of CPU per rank.
 
 def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp_stage: int | None = None,
                                        ) -> tuple[SyntheticVideoDataset | None, ...]:
@@ -49,6 +39,10 @@ def train_valid_test_datasets_provider(train_val_test_num_samples: list[int], vp
     for; a split of 0 samples is None (no loader, as Megatron's own builders do), so a resume without
     ``--eval-iters`` does not build a validation sampler behind the checkpoint's consumed samples. Every
     rank builds its own copy (deterministic, nothing to broadcast)."""
+    from megatron.training import get_args
+
+    from dsp_plugin.megatron.steps import SyntheticVideoDataset, video_buckets_from_args, video_shape_from_args
+
     args = get_args()
     video, text = video_shape_from_args(args), {"text_dim": args.text_dim or None, "text_len": args.text_len,
                                                 "varying_captions": args.varying_captions,
@@ -96,15 +90,25 @@ PROG = "dsp_plugin.launch.pretrain_stdit"
 
 @launch_main
 def main() -> None:
+    from megatron.core.enums import ModelType
+    from megatron.training import pretrain, print_rank_0
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
 
+    from dsp_plugin.launch.cli import argument_errors
     from dsp_plugin.megatron.compat import (
         agree_on_query_groups,
         data_iterators_leave_rng_alone,
         fail_on_silent_exit_in_load,
         reset_log_on_first_boundary,
+        use_prebuilt_dataset_helpers,
     )
     from dsp_plugin.megatron.cpu import cuda_is_real, cuda_shim
+    from dsp_plugin.megatron.flops import install_flops_formula
+    from dsp_plugin.megatron.pretrain_args import ARGS_DEFAULTS, extra_args_provider
+    from dsp_plugin.megatron.resume import check_load_path
+    from dsp_plugin.megatron.steps import forward_step, model_provider
+    from dsp_plugin.paths import check_output_dir
 
     with contextlib.ExitStack() as stack:
         if not cuda_is_real():  # validate_args asks for the device architecture, pretrain() for CUDA
@@ -140,7 +144,7 @@ def log_first_train_step() -> Iterator[None]:
     ``train()`` looks ``train_step`` up in its module at every iteration, so wrapping that
     name counts the first call and leaves the rest untouched; restored on exit.
     """
-    from megatron.training import training
+    from megatron.training import print_rank_0, training
 
     from dsp_plugin.megatron.groups import topology_from_parallel_state
     from dsp_plugin.steplog import log_first_call
