@@ -182,6 +182,39 @@ def test_hunyuan_video_token_replace_is_refused_naming_why() -> None:
         dsp_plugin.parallelize(model)
 
 
+def _nabla(rank: int, n: int) -> list[str]:
+    from dsp_plugin.testing.tiny_video import case
+
+    reference, kwargs = case("tiny-kandinsky5", torch.float32)
+    model = dsp_plugin.parallelize(copy.deepcopy(reference))
+    sparse = {"sta_mask": torch.ones(1, 1, dtype=torch.bool), "P": 0.9, "to_fractal": False}
+    seen = []
+    for _ in range(2):   # refused again at the next call: nothing was left half done
+        with pytest.raises(ValueError) as err:
+            model(**kwargs, sparse_params=sparse, return_dict=False)
+        seen.append(str(err.value))
+    with torch.no_grad():  # dense attention still runs, equal to one process
+        out = model(**kwargs, return_dict=False)[0]
+        seen.append(str((out - reference(**kwargs, return_dict=False)[0]).abs().max().item()))
+    return seen
+
+
+def test_kandinsky5_nabla_sparse_attention_is_refused_on_every_rank_naming_why() -> None:
+    """Kandinsky 5's NABLA attention (``sparse_params``) builds its block mask from means over 64-token blocks of
+    the whole sequence inside the processor; on a shard it would see this rank's tokens (diffusers then fails on a
+    shape mismatch against the global ``sta_mask``). ``kandinsky5_plan`` refuses the argument at the first visual
+    block (``Block(refuse=...)``), on every rank, before any collective, and again at the next call; a dense call
+    after it runs as before."""
+    for rank, (first, again, dense) in enumerate(run_distributed(_nabla, 2, timeout=120)):
+        for message in (first, again):
+            assert message.startswith("visual_transformer_blocks.0: the call passes sparse_params, which this plan "
+                                      "cannot serve: NABLA sparse attention") and \
+                message.endswith("expected sparse_params=None"), (rank, message)
+        assert float(dense) < 1e-5, (rank, dense)
+    with pytest.raises(ValueError, match=r"Block\(refuse=\{'sparse_params': ''\}\); expected \{argument name: why"):
+        dsp_plugin.plan.Block("B L D", refuse={"sparse_params": ""})
+
+
 # The video transformers diffusers 0.42.1 added beside the ones above, each found by class with no plan given
 # (dsp_plugin.testing.tiny_video's CASES: 3 heads, 2 samples, 45 video tokens, uneven on 2 and 4 ranks, padded text
 # where the model takes a text mask; Wan VACE, Wan Animate on whole frames: 3+2 and 2+1+1+1), each run without and
@@ -275,15 +308,14 @@ def _new_video(rank: int, n: int, names: list[str]) -> dict[str, dict[str, float
     return result
 
 
-# every case on 2 ranks, in two runs (each under 30 s); on 4 ranks (4 processes on a CI machine's cores: ~13 s a
-# case) the two whose plans hold what no other case does, each on 45 tokens (uneven: 12+11+11+11) and 3 heads (rank
-# 3 holds none), with and without the model's own gradient checkpointing: HunyuanVideo 1.5 (padded text: sample 0's
-# mask, the mask its processor builds from a rank's tokens laid out for the global sequence) and SanaVideo (the head
-# switch at its projections, its temporal convolution's switches, their recompute). The other cases' splits, head
-# switches and gathers are those of the plans run on 4 ranks above (test_builtin_video_plans_equal_one_process).
+# every case on 2 ranks, in two runs, and on 4 ranks (45 tokens: 12+11+11+11; 3 heads: rank 3 holds none) in two runs:
+# HunyuanVideo 1.5 (padded text: sample 0's mask, the mask its processor builds from a rank's tokens laid out for the
+# global sequence) and SanaVideo (the head switch at its projections, its temporal convolution's switches, their
+# recompute) in one, every other case in the other; each with and without the model's own gradient checkpointing
 NEW_RUNS = {"2-wan-family": (2, NEW[:6] + ["tiny-helios"]),
             "2-more-families": (2, [name for name in NEW[6:] if name != "tiny-helios"]),
-            "4-mask-and-projections": (4, ["tiny-hunyuan-video15", "tiny-sana-video"])}
+            "4-mask-and-projections": (4, ["tiny-hunyuan-video15", "tiny-sana-video"]),
+            "4-the-others": (4, [name for name in NEW if name not in ("tiny-hunyuan-video15", "tiny-sana-video")])}
 
 
 @pytest.mark.parametrize("run", list(NEW_RUNS))

@@ -128,6 +128,10 @@ class Moves:
     def block_pre(self, path: str, a: _Args, spec: Block) -> dict[str, Any]:
         """Place the block's activation (switching it when the block attends the sharded axis); return the
         state of its ``("block", ...)`` frame (``pre`` opens ``EmptyShardMode`` there on an empty shard)."""
+        for name, why in spec.refuse.items():   # every rank gets the same call: all refuse, before any collective
+            if a.get(name) is not None:
+                raise ValueError(f"{path}: the call passes {name}, which this plan cannot serve: {why}; "
+                                 f"expected {name}=None")
         x = original = a.get(spec.arg)
         if not isinstance(x, torch.Tensor):  # what the call passed; a forward replaced after parallelize (wrap.py)
             raise ValueError(not_a_tensor(path, a.module, a.name(spec.arg), x))

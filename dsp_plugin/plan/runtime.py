@@ -425,7 +425,7 @@ def _passes_through(specs: list[Any]) -> bool:
     """A module planned as a ``Block`` alone that neither switches nor splits anything with its activation: its
     hooks hand the placement on (``_Runtime.bypass``)."""
     return len(specs) == 1 and isinstance(specs[0], Block) and specs[0].attends is None and \
-        specs[0].out_shard is None and not specs[0].follow and not specs[0].local
+        specs[0].out_shard is None and not specs[0].follow and not specs[0].local and not specs[0].refuse
 
 
 def _passing_heads(entries: list[tuple[str, nn.Module, list[Any]]]) -> dict[str, Any]:

@@ -169,6 +169,9 @@ class Block:
     (SanaVideo unflattens its tokens into ``frames``), or ``fn(value, start, stop,
     total) -> int`` for any other count, ``[start, stop)`` this rank's range of the
     sharded axis of length ``total`` (Helios' new tokens after its history).
+    ``refuse``: ``{argument name: why}``, arguments the plan cannot serve: a call that
+    passes one (not None) is refused with ``why``, on every rank, before the block's
+    hooks move anything (Kandinsky 5's NABLA ``sparse_params``).
     """
 
     layout: str | Layout
@@ -179,9 +182,13 @@ class Block:
     follow: dict[str, str | Layout] = field(default_factory=dict)
     exact: bool = False
     local: dict[str, str | Callable[[int, int, int, int], int]] = field(default_factory=dict)
+    refuse: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layout", _layout(self.layout))
+        for name, why in self.refuse.items():
+            if not isinstance(name, str) or not isinstance(why, str) or not why:
+                raise ValueError(f"Block(refuse={{{name!r}: {why!r}}}); expected {{argument name: why it is refused}}")
         object.__setattr__(self, "follow", {k: _layout(v) for k, v in self.follow.items()})
         for axis in (self.attends, self.then, self.out_shard):
             if axis is not None:

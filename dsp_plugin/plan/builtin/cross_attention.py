@@ -78,16 +78,22 @@ COSMOS_PLAN: dict[str, Any] = {
 }
 
 
+#: why ``kandinsky5_plan`` refuses ``sparse_params``
+NABLA = ("NABLA sparse attention builds its flex BlockMask inside the processor from means of every 64 queries and "
+         "keys of the sequence; on a rank's shard those are this rank's tokens only (a different mask, and a shape "
+         "error against the global sta_mask); run Kandinsky 5 with dense attention (sparse_params=None) under DSP")
+
+
 def kandinsky5_plan(model: Any) -> dict[str, Any]:
     """diffusers' ``Kandinsky5Transformer3DModel``: the text blocks run whole on every rank; the visual tokens
     ``[B, L, D]`` are split at the first visual block, their RoPE ``[B, L, 1, K, 2, 2]`` follows them into every
     block, and the last visual block's output is gathered (the model unflattens it with the global shape next).
-    NABLA sparse attention (``sparse_params``) builds its block mask from this rank's queries and keys, which the
-    head switch refuses at its first call."""
+    NABLA sparse attention (``sparse_params``) is refused at every visual block's entry (``Block(refuse=...)``)."""
     last = len(model.visual_transformer_blocks) - 1
     return {
         "visual_transformer_blocks.0": Split("visual_embed", "B L D", shard="L"),
-        "visual_transformer_blocks.*": Block("B L D", arg="visual_embed", follow={"rope": "B L"}),
+        "visual_transformer_blocks.*": Block("B L D", arg="visual_embed", follow={"rope": "B L"},
+                                             refuse={"sparse_params": NABLA}),
         "visual_transformer_blocks.*.self_attention": Heads(),
         f"visual_transformer_blocks.{last}": Gather("out", "B L D"),
     }
