@@ -34,9 +34,20 @@ def one_rank() -> Iterator[None]:
             torch.distributed.destroy_process_group()
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """How often each rank pool started and what made it rebuild (each rebuild re-imports the frameworks on
+    every rank: seconds of CPU), as taken when the pools closed."""
+    for line in _POOL_SUMMARIES:
+        terminalreporter.write_line(line)
+
+
+_POOL_SUMMARIES: list[str] = []
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The rank pools (tests.pool) leave with the session, not at interpreter exit after pytest's report."""
     if "tests.pool" in __import__("sys").modules:
-        from tests.pool import close_pools
+        from tests.pool import close_pools, summaries
 
+        _POOL_SUMMARIES[:] = summaries()   # printed by pytest_terminal_summary, which runs after this hook
         close_pools()

@@ -43,7 +43,7 @@ from typing import Any
 
 from dsp_plugin.spawn import SpawnError, collect, run_rank
 
-__all__ = ["RankPool", "close_pools", "pool"]
+__all__ = ["RankPool", "close_pools", "pool", "summaries"]
 
 _START_TIMEOUT_S = 180
 _SIGNALS = tuple(s for s in (signal.SIGXFSZ, signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2,
@@ -56,6 +56,7 @@ class RankPool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.starts = 0          # how many times processes were started (a test of the pool reads it)
+        self.rebuilt_after: list[tuple[str, str]] = []   # (the test, why) of each kill: the session summary's
         self._procs: list[Any] = []
         self._tasks: list[Any] = []
         self._results: Any = None
@@ -108,10 +109,18 @@ class RankPool:
             healthy = complete and (not errors or not blobs) and not any(e.is_set() for e in self._retiring)
         finally:
             if not healthy:   # a timeout, a dead rank, a failure on some ranks only, or the test interrupted
+                self.rebuilt_after.append((os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0],
+                                           _why_unhealthy(locals())))
                 self.kill()
         if errors:
             raise SpawnError("\n".join(sorted(errors)))
         return [pickle.loads(blobs[r]) for r in range(self.world_size)]
+
+    def summary(self) -> str:
+        """One line for the session's end: how often this pool started, and after which tests it was rebuilt."""
+        tests = "; ".join(f"{t} ({w})" for t, w in self.rebuilt_after)
+        return (f"rank pool of {self.world_size}: started {self.starts} time(s), rebuilt {len(self.rebuilt_after)} "
+                f"time(s){' after: ' + tests if tests else ''}")
 
     def kill(self) -> None:
         """Stop every process now (a rank may be stuck in a collective); the next run starts new ones."""
@@ -138,6 +147,17 @@ class RankPool:
         self.kill()
 
 
+def _why_unhealthy(scope: dict[str, Any]) -> str:
+    """Why ``RankPool.run`` kills its processes, from its locals."""
+    if "complete" not in scope:
+        return "interrupted"
+    if not scope["complete"]:
+        return "timeout or a dead rank"
+    if scope["errors"] and scope["blobs"]:
+        return "failed on some ranks only"
+    return "a rank could not reset its state"
+
+
 _POOLS: dict[int, RankPool] = {}
 
 
@@ -146,6 +166,10 @@ def pool(world_size: int) -> RankPool:
     if world_size not in _POOLS:
         _POOLS[world_size] = RankPool(world_size)
     return _POOLS[world_size]
+
+
+def summaries() -> list[str]:
+    return [p.summary() for _, p in sorted(_POOLS.items())]
 
 
 def close_pools() -> None:
