@@ -1,0 +1,61 @@
+"""Tiny stock diffusers video pipelines whose transformers have a built-in plan: LTX-2 (video and audio),
+HunyuanVideo 1.5, Wan VACE, Kandinsky 5 (text to video).
+
+Each builder returns ``(pipe, call)``: the pipeline built from random tiny components (fp32, seeded, nothing
+downloaded, no text encoder: ``call`` holds precomputed prompt embeddings) and the ``__call__`` arguments of a
+2-step sample with classifier-free guidance, ``output_type="latent"`` left to the caller. Every pipeline saves
+with ``save_pretrained`` and loads back with ``from_pretrained`` (the missing text encoders saved as ``None``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["PIPELINES", "pipeline_case"]
+
+
+def _g(seed: int = 3) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _wan_vae() -> Any:
+    from diffusers import AutoencoderKLWan
+
+    torch.manual_seed(1)
+    return AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 2], num_res_blocks=1, temperal_downsample=[True],
+                            latents_mean=[0.1, -0.2, 0.3, 0.0], latents_std=[1.5, 0.8, 1.2, 1.0],
+                            scale_factor_temporal=2, scale_factor_spatial=2).eval()
+
+
+def wan_vace() -> tuple[Any, dict[str, Any]]:
+    """``WanVACEPipeline``: ``tiny_video_more.wan_vace``'s model with 12 control channels (the control video's
+    latents twice, 2x4, and the mask's 2x2 pixels per latent), the tiny Wan VAE (x2 in time and space), UniPC;
+    no control video given: the pipeline's own blank one. 9 frames -> 5 latent frames, 16x16 pixels."""
+    from diffusers import UniPCMultistepScheduler, WanVACEPipeline, WanVACETransformer3DModel
+
+    from dsp_plugin.testing.tiny_video import HEADS, TEXT_DIM, fill_zeros
+
+    torch.manual_seed(0)
+    model = fill_zeros(WanVACETransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=HEADS, attention_head_dim=8, in_channels=4, out_channels=4,
+        text_dim=TEXT_DIM, freq_dim=16, ffn_dim=32, num_layers=2, rope_max_seq_len=32, vace_layers=[0, 1],
+        vace_in_channels=12))
+    pipe = WanVACEPipeline(tokenizer=None, text_encoder=None, vae=_wan_vae(), transformer=model,
+                           scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                                             flow_shift=3.0))
+    g = _g()
+    return pipe, {"prompt_embeds": torch.randn(1, 6, TEXT_DIM, generator=g),
+                  "negative_prompt_embeds": torch.randn(1, 6, TEXT_DIM, generator=g),
+                  "height": 16, "width": 16, "num_frames": 9, "num_inference_steps": 2, "guidance_scale": 4.0}
+
+
+PIPELINES = {"wan-vace": wan_vace}
+
+
+def pipeline_case(name: str) -> tuple[Any, dict[str, Any]]:
+    """``(pipe, call)`` of the tiny pipeline ``name`` (a key of ``PIPELINES``), its progress bar off."""
+    pipe, call = PIPELINES[name]()
+    pipe.set_progress_bar_config(disable=True)
+    return pipe, call
