@@ -20,7 +20,7 @@ pytest.importorskip("diffusers")
 
 from tests.distributed import run_distributed  # noqa: E402
 
-MODELS = ["wan-vace"]
+MODELS = ["wan-vace", "hunyuan-video15", "kandinsky5"]
 BOUND = 1e-5        # relative to max |expected|
 
 

@@ -51,7 +51,67 @@ def wan_vace() -> tuple[Any, dict[str, Any]]:
                   "height": 16, "width": 16, "num_frames": 9, "num_inference_steps": 2, "guidance_scale": 4.0}
 
 
-PIPELINES = {"wan-vace": wan_vace}
+def hunyuan_video15() -> tuple[Any, dict[str, Any]]:
+    """``HunyuanVideo15Pipeline`` (text to video): ``tiny_video_joint.hunyuan_video15``'s model taking the latents,
+    the (zero) condition latents and the mask (4+4+1 channels), a tiny ``AutoencoderKLHunyuanVideo15`` (x2 in time
+    and space), its guider's classifier-free guidance (scale 4), both text streams given (Qwen's and ByT5's, each
+    padded). 9 frames -> 5 latent frames, 16x16 pixels."""
+    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+
+    from dsp_plugin.testing.tiny_video import HEADS, TEXT_DIM, fill_zeros
+
+    torch.manual_seed(0)
+    model = fill_zeros(HunyuanVideo15Transformer3DModel(
+        in_channels=9, out_channels=4, num_attention_heads=HEADS, attention_head_dim=12, num_layers=2,
+        num_refiner_layers=1, mlp_ratio=2.0, patch_size=2, patch_size_t=1, text_embed_dim=TEXT_DIM,
+        text_embed_2_dim=8, image_embed_dim=12, rope_axes_dim=(4, 4, 4), target_size=16, task_type="t2v"))
+    torch.manual_seed(1)
+    vae = AutoencoderKLHunyuanVideo15(latent_channels=4, block_out_channels=(32, 32), layers_per_block=1,
+                                      spatial_compression_ratio=2, temporal_compression_ratio=2).eval()
+    pipe = HunyuanVideo15Pipeline(text_encoder=None, tokenizer=None, transformer=model, vae=vae,
+                                  scheduler=FlowMatchEulerDiscreteScheduler(shift=7.0), text_encoder_2=None,
+                                  tokenizer_2=None, guider=ClassifierFreeGuidance(guidance_scale=4.0))
+    g = _g()
+
+    def mask(tokens: int, valid: int) -> torch.Tensor:
+        m = torch.zeros(1, tokens, dtype=torch.long)
+        m[:, :valid] = 1
+        return m
+
+    return pipe, {"prompt_embeds": torch.randn(1, 6, TEXT_DIM, generator=g), "prompt_embeds_mask": mask(6, 4),
+                  "prompt_embeds_2": torch.randn(1, 4, 8, generator=g), "prompt_embeds_mask_2": mask(4, 3),
+                  "negative_prompt_embeds": torch.randn(1, 6, TEXT_DIM, generator=g),
+                  "negative_prompt_embeds_mask": mask(6, 5),
+                  "negative_prompt_embeds_2": torch.randn(1, 4, 8, generator=g),
+                  "negative_prompt_embeds_mask_2": mask(4, 2),
+                  "height": 16, "width": 16, "num_frames": 9, "num_inference_steps": 2}
+
+
+def kandinsky5() -> tuple[Any, dict[str, Any]]:
+    """``Kandinsky5T2VPipeline``: ``tiny_video_more.kandinsky5``'s model (channels-last latents), the tiny
+    ``AutoencoderKLHunyuanVideo`` of ``tiny_video.hunyuan_video_pipeline`` (x4 in time, x2 in space), Qwen's and
+    CLIP's embeddings given (``cu_seqlens`` of one prompt each). 17 frames -> 5 latent frames, 16x16 pixels."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, Kandinsky5T2VPipeline
+
+    from dsp_plugin.testing.tiny_video import TEXT_DIM, hunyuan_video_pipeline
+    from dsp_plugin.testing.tiny_video_more import kandinsky5 as model
+
+    vae = hunyuan_video_pipeline().vae
+    pipe = Kandinsky5T2VPipeline(transformer=model()[0], vae=vae, text_encoder=None, tokenizer=None,
+                                 text_encoder_2=None, tokenizer_2=None,
+                                 scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0))
+    g = _g()
+    return pipe, {"prompt_embeds_qwen": torch.randn(1, 6, TEXT_DIM, generator=g),
+                  "prompt_embeds_clip": torch.randn(1, 8, generator=g),
+                  "prompt_cu_seqlens": torch.tensor([0, 6], dtype=torch.int32),
+                  "negative_prompt_embeds_qwen": torch.randn(1, 5, TEXT_DIM, generator=g),
+                  "negative_prompt_embeds_clip": torch.randn(1, 8, generator=g),
+                  "negative_prompt_cu_seqlens": torch.tensor([0, 5], dtype=torch.int32),
+                  "height": 16, "width": 16, "num_frames": 17, "num_inference_steps": 2, "guidance_scale": 4.0}
+
+
+PIPELINES = {"wan-vace": wan_vace, "hunyuan-video15": hunyuan_video15, "kandinsky5": kandinsky5}
 
 
 def pipeline_case(name: str) -> tuple[Any, dict[str, Any]]:
