@@ -20,7 +20,7 @@ pytest.importorskip("diffusers")
 
 from tests.distributed import run_distributed  # noqa: E402
 
-MODELS = ["wan-vace", "hunyuan-video15", "kandinsky5"]
+MODELS = ["ltx2", "hunyuan-video15", "wan-vace", "kandinsky5"]
 BOUND = 1e-5        # relative to max |expected|
 
 
@@ -29,7 +29,8 @@ def _outputs(out: Any) -> dict[str, torch.Tensor]:
     return {k: v for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
 
 
-def _sample(rank: int, n: int, name: str) -> dict[str, tuple[float, float, tuple[int, ...]]]:
+def _sample(rank: int, n: int, name: str) -> dict[str, Any]:
+    from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.pipelines import parallelize_pipeline
     from dsp_plugin.testing.tiny_pipelines import pipeline_case
 
@@ -39,7 +40,9 @@ def _sample(rank: int, n: int, name: str) -> dict[str, tuple[float, float, tuple
         expected = _outputs(pipe(**call, output_type=output_type, generator=torch.Generator().manual_seed(0)))
         pipe, call = pipeline_case(name)
         sampler = parallelize_pipeline(pipe)
-        got = _outputs(sampler(**call, output_type=output_type, generator=torch.Generator().manual_seed(0)))
+        with CommAccounting(activations=False) as acct:
+            got = _outputs(sampler(**call, output_type=output_type, generator=torch.Generator().manual_seed(0)))
+        result[f"{output_type}/ops"] = sorted({r.op for r in acct.records})
         assert got.keys() == expected.keys(), (got.keys(), expected.keys())
         for key, value in expected.items():
             result[f"{output_type}/{key}"] = ((got[key] - value).abs().max().item(), value.abs().max().item(),
@@ -50,6 +53,8 @@ def _sample(rank: int, n: int, name: str) -> dict[str, tuple[float, float, tuple
 @pytest.mark.parametrize("name", MODELS)
 def test_pipeline_on_two_ranks_equals_one_process(name: str) -> None:
     for rank, result in enumerate(run_distributed(_sample, 2, name)):
+        for output_type in ("latent", "pt"):      # the transformer ran split: the plan's head switch
+            assert "all_to_all" in result.pop(f"{output_type}/ops"), (name, rank, output_type)
         for key, (diff, scale, shape) in result.items():
             print(f"{name} rank {rank} {key} {shape}: max |diff| {diff:.3g} (max |expected| {scale:.3g})")
             assert diff <= BOUND * max(1.0, scale), (name, rank, key, diff)

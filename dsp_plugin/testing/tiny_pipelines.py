@@ -111,7 +111,68 @@ def kandinsky5() -> tuple[Any, dict[str, Any]]:
                   "height": 16, "width": 16, "num_frames": 17, "num_inference_steps": 2, "guidance_scale": 4.0}
 
 
-PIPELINES = {"wan-vace": wan_vace, "hunyuan-video15": hunyuan_video15, "kandinsky5": kandinsky5}
+def ltx2() -> tuple[Any, dict[str, Any]]:
+    """``LTX2Pipeline`` (video and audio), sized as diffusers' own LTX-2 pipeline tests size it: a 2-layer
+    transformer with audio-video cross-attention, its text connectors, a one-block video VAE (x2 in space and time),
+    the audio VAE (8 mel bins) and the vocoder; Gemma's stacked hidden states given as ``prompt_embeds`` (2 layers
+    of 32, left padded as Gemma's tokenizer pads). 9 frames -> 5 latent frames, 32x32 pixels (the pipeline takes multiples of 32), and
+    the audio of the same 0.36 s."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
+                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+
+    hidden, layers = 32, 2
+    torch.manual_seed(0)
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
+        audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2, qk_norm="rms_norm_across_heads",
+        caption_channels=hidden, rope_double_precision=False, rope_type="split")
+    torch.manual_seed(1)
+    connectors = LTX2TextConnectors(
+        caption_channels=hidden, text_proj_in_factor=layers, video_connector_num_attention_heads=4,
+        video_connector_attention_head_dim=8, video_connector_num_layers=1,
+        video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=4,
+        audio_connector_attention_head_dim=8, audio_connector_num_layers=1,
+        audio_connector_num_learnable_registers=None, connector_rope_base_seq_len=32, rope_theta=10000.0,
+        rope_double_precision=False, causal_temporal_positioning=False, rope_type="split")
+    torch.manual_seed(2)
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,), decoder_block_out_channels=(8,),
+        layers_per_block=(1,), decoder_layers_per_block=(1, 1), spatio_temporal_scaling=(True,),
+        decoder_spatio_temporal_scaling=(True,), decoder_inject_noise=(False, False), downsample_type=("spatial",),
+        upsample_residual=(False,), upsample_factor=(1,), timestep_conditioning=False, patch_size=1,
+        patch_size_t=1, encoder_causal=True, decoder_causal=False)
+    vae.use_framewise_encoding = vae.use_framewise_decoding = False
+    torch.manual_seed(3)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None, in_channels=2,
+        resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height", dropout=0.0,
+        mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160, is_causal=True, mel_bins=8)
+    torch.manual_seed(4)
+    vocoder = LTX2Vocoder(in_channels=2 * 8, hidden_channels=32, out_channels=2, upsample_kernel_sizes=[4, 4],
+                          upsample_factors=[2, 2], resnet_kernel_sizes=[3], resnet_dilations=[[1, 3, 5]],
+                          leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
+    pipe = LTX2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae.eval(), audio_vae=audio_vae.eval(),
+                        text_encoder=None, tokenizer=None, connectors=connectors.eval(), transformer=transformer,
+                        vocoder=vocoder.eval())
+    g = _g()
+
+    def mask(valid: int) -> torch.Tensor:      # left padding
+        m = torch.zeros(1, 8, dtype=torch.long)
+        m[:, 8 - valid:] = 1
+        return m
+
+    return pipe, {"prompt_embeds": torch.randn(1, 8, hidden * layers, generator=g), "prompt_attention_mask": mask(6),
+                  "negative_prompt_embeds": torch.randn(1, 8, hidden * layers, generator=g),
+                  "negative_prompt_attention_mask": mask(5), "height": 32, "width": 32, "num_frames": 9,
+                  "frame_rate": 25.0, "num_inference_steps": 2, "guidance_scale": 4.0, "audio_guidance_scale": 4.0,
+                  "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0, "audio_modality_scale": 1.0,
+                  "spatio_temporal_guidance_blocks": None}
+
+
+PIPELINES = {"ltx2": ltx2, "wan-vace": wan_vace, "hunyuan-video15": hunyuan_video15, "kandinsky5": kandinsky5}
 
 
 def pipeline_case(name: str) -> tuple[Any, dict[str, Any]]:
