@@ -11,22 +11,24 @@ inside the transformer only: the same ops on the same values, up to the reductio
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("diffusers")
 
-from tests.distributed import run_distributed  # noqa: E402
+from tests.distributed import run_distributed
 
 MODELS = ["ltx2", "hunyuan-video15", "wan-vace", "kandinsky5"]
 BOUND = 1e-5        # relative to max |expected|
 
 
 def _outputs(out: Any) -> dict[str, torch.Tensor]:
-    """The output's tensors by name (``frames``/``videos``; LTX-2's ``audio`` too)."""
-    return {k: v for k, v in vars(out).items() if isinstance(v, torch.Tensor)}
+    """The output's arrays by name as tensors (``frames``; LTX-2's ``audio`` too)."""
+    return {k: torch.as_tensor(v) for k, v in vars(out).items() if isinstance(v, (torch.Tensor, np.ndarray))}
 
 
 def _sample(rank: int, n: int, name: str) -> dict[str, Any]:
@@ -58,3 +60,55 @@ def test_pipeline_on_two_ranks_equals_one_process(name: str) -> None:
         for key, (diff, scale, shape) in result.items():
             print(f"{name} rank {rank} {key} {shape}: max |diff| {diff:.3g} (max |expected| {scale:.3g})")
             assert diff <= BOUND * max(1.0, scale), (name, rank, key, diff)
+
+
+def _directory_run(rank: int, n: int, root: str) -> None:
+    """``dsp-sample``'s body (``launch.sample.sample``, what each of its processes runs) on every model's directory."""
+    from dsp_plugin.launch.sample import build_parser, check_args, sample
+
+    for name in MODELS:
+        args = build_parser().parse_args(_directory_argv(root, name))
+        check_args(args, n)
+        sample(args)
+
+
+def _directory_argv(root: str, name: str) -> list[str]:
+    from dsp_plugin.testing.tiny_pipelines import pipeline_case
+
+    _, call = pipeline_case(name)
+    return ["--model", f"{root}/{name}", "--call-args", f"{root}/{name}.args.pt", "--steps", "2",
+            "--guidance", str(call.get("guidance_scale", 4.0)), "--num-frames", str(call["num_frames"]),
+            "--height", str(call["height"]), "--width", str(call["width"]), "--output", f"{root}/{name}.pt"]
+
+
+def test_model_directories_sample_on_two_ranks_equal_diffusers(tmp_path: Path) -> None:
+    """Each pipeline written by ``save_pretrained`` and loaded by diffusers (``from_pretrained``, one process) is
+    the oracle; ``dsp-sample --model DIR`` on 2 ranks writes the same frames (and LTX-2's audio). The command's
+    per-rank body (``check_args`` then ``sample``: load, parallelize, call, write) runs on the pool for every model,
+    no process started (a launch costs ~25 s of imports here; ``dsp-sample``'s own launch paths, torchrun and
+    ``--dsp N``, are tests/test_sample_command.py's)."""
+    from diffusers import DiffusionPipeline
+
+    from dsp_plugin.launch.pipeline_sizes import saved_without
+    from dsp_plugin.testing.tiny_pipelines import pipeline_case
+
+    expected = {}
+    for name in MODELS:
+        pipe, call = pipeline_case(name)
+        pipe.save_pretrained(tmp_path / name)
+        args = {k: v for k, v in call.items() if k not in ("height", "width", "num_frames", "num_inference_steps",
+                                                          "guidance_scale")}
+        torch.save(args, tmp_path / f"{name}.args.pt")
+        loaded = DiffusionPipeline.from_pretrained(tmp_path / name, local_files_only=True,
+                                                   **dict.fromkeys(saved_without(tmp_path / name)))
+        loaded.set_progress_bar_config(disable=True)
+        expected[name] = _outputs(loaded(**call, output_type="np", generator=torch.Generator().manual_seed(0)))
+    run_distributed(_directory_run, 2, str(tmp_path))
+    got = {name: {"frames": torch.load(tmp_path / f"{name}.pt", weights_only=True)} for name in MODELS}
+    got["ltx2"]["audio"] = torch.load(tmp_path / "ltx2.audio.pt", weights_only=True)
+    for name, outputs in got.items():
+        for key, value in outputs.items():
+            ref = torch.as_tensor(expected[name][key])
+            diff = (value - ref).abs().max().item()
+            print(f"dsp-sample --model DIR {name} {key} {tuple(ref.shape)}: max |diff| {diff:.3g} vs diffusers")
+            assert value.shape == ref.shape and diff <= BOUND * max(1.0, ref.abs().max().item()), (name, key, diff)

@@ -56,8 +56,13 @@ def hunyuan_video15() -> tuple[Any, dict[str, Any]]:
     the (zero) condition latents and the mask (4+4+1 channels), a tiny ``AutoencoderKLHunyuanVideo15`` (x2 in time
     and space), its guider's classifier-free guidance (scale 4), both text streams given (Qwen's and ByT5's, each
     padded). 9 frames -> 5 latent frames, 16x16 pixels."""
-    from diffusers import (AutoencoderKLHunyuanVideo15, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler,
-                           HunyuanVideo15Pipeline, HunyuanVideo15Transformer3DModel)
+    from diffusers import (
+        AutoencoderKLHunyuanVideo15,
+        ClassifierFreeGuidance,
+        FlowMatchEulerDiscreteScheduler,
+        HunyuanVideo15Pipeline,
+        HunyuanVideo15Transformer3DModel,
+    )
 
     from dsp_plugin.testing.tiny_video import HEADS, TEXT_DIM, fill_zeros
 
@@ -117,8 +122,13 @@ def ltx2() -> tuple[Any, dict[str, Any]]:
     the audio VAE (8 mel bins) and the vocoder; Gemma's stacked hidden states given as ``prompt_embeds`` (2 layers
     of 32, left padded as Gemma's tokenizer pads). 9 frames -> 5 latent frames, 32x32 pixels (the pipeline takes multiples of 32), and
     the audio of the same 0.36 s."""
-    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler,
-                           LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers import (
+        AutoencoderKLLTX2Audio,
+        AutoencoderKLLTX2Video,
+        FlowMatchEulerDiscreteScheduler,
+        LTX2Pipeline,
+        LTX2VideoTransformer3DModel,
+    )
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
     from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
 
