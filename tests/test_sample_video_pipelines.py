@@ -49,12 +49,19 @@ def _sample(rank: int, n: int, name: str) -> dict[str, Any]:
         for key, value in expected.items():
             result[f"{output_type}/{key}"] = ((got[key] - value).abs().max().item(), value.abs().max().item(),
                                               tuple(value.shape))
+    pipe, call = pipeline_case(name)         # no generator: the noise rank 0 draws, on every rank
+    torch.manual_seed(100 + rank)            # as separate processes' default generators differ
+    result["unseeded"] = _outputs(parallelize_pipeline(pipe)(**call, output_type="latent"))
     return result
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_pipeline_on_two_ranks_equals_one_process(name: str) -> None:
-    for rank, result in enumerate(run_distributed(_sample, 2, name)):
+    results = run_distributed(_sample, 2, name)
+    unseeded = [result.pop("unseeded") for result in results]
+    for key, value in unseeded[0].items():
+        assert torch.equal(value, unseeded[1][key]), (name, key, (value - unseeded[1][key]).abs().max())
+    for rank, result in enumerate(results):
         for output_type in ("latent", "pt"):      # the transformer ran split: the plan's head switch
             assert "all_to_all" in result.pop(f"{output_type}/ops"), (name, rank, output_type)
         for key, (diff, scale, shape) in result.items():
