@@ -83,7 +83,7 @@ def _directory_argv(root: str, name: str) -> list[str]:
     from dsp_plugin.testing.tiny_pipelines import pipeline_case
 
     _, call = pipeline_case(name)
-    return ["--model", f"{root}/{name}", "--call-args", f"{root}/{name}.args.pt", "--steps", "2",
+    return ["--model", f"{root}/{name}", "--call-args", f"{root}/{name}/call_args.pt", "--steps", "2",
             "--guidance", str(call.get("guidance_scale", 4.0)), "--num-frames", str(call["num_frames"]),
             "--height", str(call["height"]), "--width", str(call["width"]), "--output", f"{root}/{name}.pt"]
 
@@ -97,15 +97,11 @@ def test_model_directories_sample_on_two_ranks_equal_diffusers(tmp_path: Path) -
     from diffusers import DiffusionPipeline
 
     from dsp_plugin.launch.pipeline_sizes import saved_without
-    from dsp_plugin.testing.tiny_pipelines import pipeline_case
+    from dsp_plugin.testing.tiny_pipelines import save_case
 
     expected = {}
     for name in MODELS:
-        pipe, call = pipeline_case(name)
-        pipe.save_pretrained(tmp_path / name)
-        args = {k: v for k, v in call.items() if k not in ("height", "width", "num_frames", "num_inference_steps",
-                                                          "guidance_scale")}
-        torch.save(args, tmp_path / f"{name}.args.pt")
+        call = save_case(name, tmp_path / name)
         loaded = DiffusionPipeline.from_pretrained(tmp_path / name, local_files_only=True,
                                                    **dict.fromkeys(saved_without(tmp_path / name)))
         loaded.set_progress_bar_config(disable=True)

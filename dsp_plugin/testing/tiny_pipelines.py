@@ -9,11 +9,15 @@ with ``save_pretrained`` and loads back with ``from_pretrained`` (the missing te
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["PIPELINES", "pipeline_case"]
+__all__ = ["PIPELINES", "SIZES", "pipeline_case", "save_case"]
+
+#: the ``__call__`` arguments ``dsp-sample`` takes as flags (the rest go in ``call_args.pt``)
+SIZES = ("height", "width", "num_frames", "num_inference_steps", "guidance_scale")
 
 
 def _g(seed: int = 3) -> torch.Generator:
@@ -190,3 +194,30 @@ def pipeline_case(name: str) -> tuple[Any, dict[str, Any]]:
     pipe, call = PIPELINES[name]()
     pipe.set_progress_bar_config(disable=True)
     return pipe, call
+
+
+def save_case(name: str, directory: str | Path) -> dict[str, Any]:
+    """``save_pretrained`` of the tiny pipeline ``name`` into ``directory``, with ``call_args.pt`` beside its
+    components: the call's prompt embeddings (what ``dsp-sample --call-args`` takes). Returns the whole call."""
+    pipe, call = pipeline_case(name)
+    pipe.save_pretrained(directory)
+    torch.save({k: v for k, v in call.items() if k not in SIZES}, Path(directory) / "call_args.pt")
+    return call
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m dsp_plugin.testing.tiny_pipelines", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("name", choices=sorted(PIPELINES))
+    p.add_argument("directory")
+    args = p.parse_args(argv)
+    call = save_case(args.name, args.directory)
+    sizes = " ".join(f"--{k.replace('_', '-')} {call[k]}" for k in ("num_frames", "height", "width"))
+    print(f"wrote {args.directory} ({type(pipeline_case(args.name)[0]).__name__}) and its call_args.pt; sample it "
+          f"with: dsp-sample --model {args.directory} --call-args {args.directory}/call_args.pt --steps 2 {sizes}")
+
+
+if __name__ == "__main__":
+    main()
