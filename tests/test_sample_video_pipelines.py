@@ -69,14 +69,20 @@ def test_pipeline_on_two_ranks_equals_one_process(name: str) -> None:
             assert diff <= BOUND * max(1.0, scale), (name, rank, key, diff)
 
 
-def _directory_run(rank: int, n: int, root: str) -> None:
-    """``dsp-sample``'s body (``launch.sample.sample``, what each of its processes runs) on every model's directory."""
+def _directory_run(rank: int, n: int, root: str) -> dict[str, list[str]]:
+    """``dsp-sample``'s body (``launch.sample.sample``, what each of its processes runs) on every model's directory;
+    the collectives each sent."""
+    from dsp_plugin.accounting import CommAccounting
     from dsp_plugin.launch.sample import build_parser, check_args, sample
 
+    ops = {}
     for name in MODELS:
         args = build_parser().parse_args(_directory_argv(root, name))
         check_args(args, n)
-        sample(args)
+        with CommAccounting(activations=False) as acct:
+            sample(args)
+        ops[name] = sorted({r.op for r in acct.records})
+    return ops
 
 
 def _directory_argv(root: str, name: str) -> list[str]:
@@ -88,7 +94,8 @@ def _directory_argv(root: str, name: str) -> list[str]:
             "--height", str(call["height"]), "--width", str(call["width"]), "--output", f"{root}/{name}.pt"]
 
 
-def test_model_directories_sample_on_two_ranks_equal_diffusers(tmp_path: Path) -> None:
+def test_model_directories_sample_on_two_ranks_equal_diffusers(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture) -> None:
     """Each pipeline written by ``save_pretrained`` and loaded by diffusers (``from_pretrained``, one process) is
     the oracle; ``dsp-sample --model DIR`` on 2 ranks writes the same frames (and LTX-2's audio). The command's
     per-rank body (``check_args`` then ``sample``: load, parallelize, call, write) runs on the pool for every model,
@@ -106,7 +113,8 @@ def test_model_directories_sample_on_two_ranks_equal_diffusers(tmp_path: Path) -
                                                    **dict.fromkeys(saved_without(tmp_path / name)))
         loaded.set_progress_bar_config(disable=True)
         expected[name] = _outputs(loaded(**call, output_type="np", generator=torch.Generator().manual_seed(0)))
-    run_distributed(_directory_run, 2, str(tmp_path))
+    for ops in run_distributed(_directory_run, 2, str(tmp_path)):
+        assert all("all_to_all" in ops[name] for name in MODELS), ops     # the transformer ran split
     got = {name: {"frames": torch.load(tmp_path / f"{name}.pt", weights_only=True)} for name in MODELS}
     got["ltx2"]["audio"] = torch.load(tmp_path / "ltx2.audio.pt", weights_only=True)
     for name, outputs in got.items():
@@ -115,3 +123,12 @@ def test_model_directories_sample_on_two_ranks_equal_diffusers(tmp_path: Path) -
             diff = (value - ref).abs().max().item()
             print(f"dsp-sample --model DIR {name} {key} {tuple(ref.shape)}: max |diff| {diff:.3g} vs diffusers")
             assert value.shape == ref.shape and diff <= BOUND * max(1.0, ref.abs().max().item()), (name, key, diff)
+    from dsp_plugin.launch import sample
+
+    capsys.readouterr()                               # diffusers' loading bars above
+    for flag in ("--cfg-parallel", "--vae-tiling"):   # the frame-sharded samplers' options: one line, no process
+        with pytest.raises(SystemExit):
+            sample.main(["--model", str(tmp_path / "ltx2"), flag])
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1, err
+        assert err.startswith(f"dsp-sample: error: --model {tmp_path / 'ltx2'}: {flag} is for the frame-sharded"), err
