@@ -73,6 +73,11 @@ class DSPPipeline(FrameShardedSampler):
         self.agree_call({k: v for k, v in call.items() if k != "callback_on_step_end"})
         return 0, False
 
+    def draws_unseeded(self, call: dict[str, Any]) -> bool:
+        """No generator: whatever a ``prepare_*latents`` method draws is rank 0's on every rank (LTX-2 given its
+        video latents still draws its audio noise)."""
+        return call.get("generator") is None
+
     def shard(self, full: torch.Tensor) -> torch.Tensor:
         return full
 
