@@ -166,6 +166,9 @@ RULES: list[Rule] = [
          expect="wrote"),
     Rule(r"dsp_plugin\.launch\.sample_latte", "check",
          "tests/test_sampling_launch.py runs these on 1, 2 and 4 processes"),
+    Rule(r"python -m dsp_plugin\.testing\.tiny_pipelines \S+ /tmp/tiny-", "covered",
+         tests=("tests/test_sample_video_pipelines.py::test_model_directories_sample_on_two_ranks_equal_diffusers",),
+         why="that test writes each tiny pipeline through the same save_case and samples it as the next line does"),
     Rule(r"dsp_plugin\.launch\.sample\b|dsp-sample\b", "check",
          "tests/test_sample_command.py runs torchrun on 2 processes (with and without --cfg-parallel, and with "
          "--vae-tiling) and --dsp 2"),

@@ -33,13 +33,31 @@ def _config(directory: Path, component: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+#: sampled by ``parallelize_pipeline`` (their transformers' built-in plans; the latents whole on every rank)
+PLANNED_PIPELINES = ("LTX2Pipeline", "HunyuanVideo15Pipeline", "WanVACEPipeline", "Kandinsky5T2VPipeline")
+
+
 def pipeline_kind(directory: str | Path) -> str | None:
-    """``"wan"``, ``"latte"`` or None (another pipeline, or an unreadable ``model_index.json``)."""
+    """``"wan"``, ``"latte"``, ``"pipeline"`` (one of ``PLANNED_PIPELINES``) or None (another pipeline, or an
+    unreadable ``model_index.json``)."""
     try:
         name = json.loads((Path(directory) / "model_index.json").read_text()).get("_class_name")
     except (OSError, ValueError, AttributeError):
         return None
+    if name in PLANNED_PIPELINES:
+        return "pipeline"
     return {"WanPipeline": "wan", "LattePipeline": "latte"}.get(name)
+
+
+def saved_without(directory: str | Path) -> list[str]:
+    """The components ``save_pretrained`` wrote as ``[null, null]`` (a pipeline built without its text encoder):
+    ``from_pretrained`` refuses a missing component that is not optional (LTX-2's ``text_encoder``) unless it is
+    passed, so they are passed as ``None``."""
+    try:
+        index = json.loads((Path(directory) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return []
+    return [k for k, v in index.items() if not k.startswith("_") and isinstance(v, list) and v == [None, None]]
 
 
 def latte_video_length(directory: str | Path) -> int | None:
@@ -61,7 +79,7 @@ def check_pipeline_sizes(directory: str | Path, *, frames: int, height: int, wid
 
     multiple = 16 if kind == "wan" else 8   # the pipelines' own check_inputs
     for name, value in (("height", height), ("width", width)):
-        if kind is not None and value % multiple:
+        if kind in ("wan", "latte") and value % multiple:
             raise ValueError(f"--model {directory}: {flag(name, value)}; a {kind.capitalize()}Pipeline takes a "
                              f"multiple of {multiple} pixels")
     if kind == "latte":

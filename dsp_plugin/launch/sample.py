@@ -4,10 +4,14 @@
     torchrun --nproc-per-node 2 -m dsp_plugin.launch.sample --model tiny-wan --vae-tiling --output out/v.mp4
     dsp-sample --model tiny-wan --dsp 2 --cfg-parallel --output out/v.gif     # spawns 4 processes itself
     dsp-sample --model /path/to/WanPipeline --prompt "a cat walks on the grass" --num-frames 81 --output v.mp4
+    dsp-sample --model /path/to/LTX2Pipeline --dsp 2 --height 512 --width 768 --num-frames 121 --output v.mp4
 
 ``--model`` is a built-in tiny model (``tiny-wan``, ``tiny-latte``: random weights, nothing downloaded)
-or a local directory written by diffusers' ``save_pretrained`` (a ``WanPipeline`` or ``LattePipeline``,
-loaded with ``from_pretrained``, local files only). The pipeline's own ``__call__`` runs
+or a local directory written by diffusers' ``save_pretrained`` (a ``WanPipeline`` or ``LattePipeline``, the
+latents sharded on frames; or an ``LTX2Pipeline``, ``HunyuanVideo15Pipeline``, ``WanVACEPipeline`` or
+``Kandinsky5T2VPipeline``, the latents whole, the transformer split by its built-in plan: ``parallelize_pipeline``),
+loaded with ``from_pretrained``, local files only. ``--call-args FILE.pt``: more ``__call__`` arguments
+(``torch.save`` of a dict, e.g. precomputed prompt embeddings for a pipeline saved without its text encoder). The pipeline's own ``__call__`` runs
 (``dsp_plugin.pipelines``): its progress bar shows on rank 0, every rank ends with the video, and rank 0
 writes each ``--output`` with diffusers' exporters (``.mp4``: ``export_to_video``; ``.gif``:
 ``export_to_gif``; ``.pt``: ``torch.save`` of the float frames ``[B, T, H, W, 3]`` in [0, 1]).
@@ -69,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="the pipeline's dtype (default float32)")
     p.add_argument("--max-sequence-length", type=int, default=None,
                    help="text tokens (Wan; default 16 for tiny-wan, else 512)")
+    p.add_argument("--call-args", default=None, metavar="FILE.pt",
+                   help="a torch.save'd dict of more arguments for the pipeline's __call__ (e.g. prompt_embeds for a "
+                        "pipeline saved without its text encoder); they override the command's own")
     p.add_argument("--save-pretrained", default=None, metavar="DIR",
                    help="rank 0 writes the pipeline here (save_pretrained) before sampling")
     p.add_argument("--timeout", type=float, default=300,
@@ -112,6 +119,8 @@ def check_args(args: argparse.Namespace, torchrun_world: int | None) -> int:
             check_output_file("--output", out)
         except OutputPathError as exc:
             fail(str(exc))
+    if args.call_args is not None and not Path(args.call_args).is_file():
+        fail(f"--call-args {args.call_args}: no such file; expected a torch.save'd dict of __call__ arguments")
     if args.save_pretrained:
         try:
             check_output_dir("--save-pretrained", args.save_pretrained)
@@ -140,6 +149,10 @@ def check_args(args: argparse.Namespace, torchrun_world: int | None) -> int:
         from dsp_plugin.launch.pipeline_sizes import check_pipeline_sizes, latte_video_length, pipeline_kind
 
         kind = pipeline_kind(args.model)
+        if kind == "pipeline" and (args.cfg_parallel or args.vae_tiling):
+            fail(f"--model {args.model}: {'--cfg-parallel' if args.cfg_parallel else '--vae-tiling'} is for the "
+                 f"frame-sharded Wan and Latte samplers; this pipeline runs whole latents through its transformer's "
+                 f"plan (parallelize_pipeline); expected neither flag")
         if kind == "latte" and args.num_frames is None:  # the frames its temporal position table holds
             args.num_frames = latte_video_length(args.model)
         defaults = tuple(f for f, v in (("num-frames", args.num_frames), ("height", args.height),
@@ -213,12 +226,17 @@ def load(args: argparse.Namespace) -> tuple[Any, str]:
         return (pipe if dtype is torch.float32 else pipe.to(dtype=dtype)), "latte"
     from diffusers import DiffusionPipeline, LattePipeline, WanPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(args.model, local_files_only=True, torch_dtype=dtype)
+    from dsp_plugin.launch.pipeline_sizes import PLANNED_PIPELINES, saved_without
+
+    pipe = DiffusionPipeline.from_pretrained(args.model, local_files_only=True, torch_dtype=dtype,
+                                             **dict.fromkeys(saved_without(args.model)))
+    if type(pipe).__name__ in PLANNED_PIPELINES:
+        return pipe, "pipeline"
     kinds = {WanPipeline: "wan", LattePipeline: "latte"}
     kind = next((k for cls, k in kinds.items() if isinstance(pipe, cls)), None)
     if kind is None:
-        raise ValueError(f"{PROG}: --model {args.model} holds a {type(pipe).__name__}; expected a WanPipeline "
-                         f"or a LattePipeline")
+        raise ValueError(f"{PROG}: --model {args.model} holds a {type(pipe).__name__}; expected a WanPipeline, "
+                         f"a LattePipeline or one of {', '.join(PLANNED_PIPELINES)}")
     return pipe, kind
 
 
@@ -231,6 +249,8 @@ def call_arguments(args: argparse.Namespace, kind: str, pipe: Any, device: Any) 
               "width": args.width or (16 if tiny else DIRECTORY_WIDTH),
               "num_inference_steps": args.steps, "guidance_scale": args.guidance, "output_type": "np",
               "generator": torch.Generator().manual_seed(args.seed)}
+    if kind == "pipeline":
+        return _pipeline_call(args, pipe, common)
     if kind == "wan":
         return {**common, "prompt": args.prompt, "negative_prompt": args.negative_prompt,
                 "num_frames": args.num_frames or (9 if tiny else DIRECTORY_FRAMES["wan"]),
@@ -248,13 +268,37 @@ def call_arguments(args: argparse.Namespace, kind: str, pipe: Any, device: Any) 
     return {**common, "prompt": args.prompt, "negative_prompt": args.negative_prompt, "video_length": frames}
 
 
+def _pipeline_call(args: argparse.Namespace, pipe: Any, common: dict[str, Any]) -> dict[str, Any]:
+    """A ``parallelize_pipeline`` pipeline's arguments: those its ``__call__`` takes (HunyuanVideo 1.5 takes its
+    guidance from its guider), the prompt when it has a text encoder, then ``--call-args``'s."""
+    import inspect
+
+    import torch
+
+    takes = inspect.signature(type(pipe).__call__).parameters
+    call = {**common, "num_frames": args.num_frames or DIRECTORY_FRAMES["wan"]}
+    if getattr(pipe, "text_encoder", None) is not None:
+        call.update(prompt=args.prompt, negative_prompt=args.negative_prompt)
+    if args.max_sequence_length is not None:
+        call["max_sequence_length"] = args.max_sequence_length
+    call = {k: v for k, v in call.items() if k in takes}
+    if args.call_args is not None:
+        call.update(torch.load(args.call_args, weights_only=True))
+    return call
+
+
 def sample(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     from dsp_plugin import backend as runtime
     from dsp_plugin.log import get_logger, quiet_third_party, setup
-    from dsp_plugin.pipelines import parallelize_latte_pipeline, parallelize_wan_pipeline, sampling_groups
+    from dsp_plugin.pipelines import (
+        parallelize_latte_pipeline,
+        parallelize_pipeline,
+        parallelize_wan_pipeline,
+        sampling_groups,
+    )
 
     setup()
     quiet_third_party()
@@ -273,11 +317,16 @@ def sample(args: argparse.Namespace) -> dict[str, Any]:
     if args.save_pretrained and rank == 0:
         pipe.save_pretrained(args.save_pretrained)
     dsp_group, cfg_group = sampling_groups(cfg_parallel=args.cfg_parallel)
-    parallelize = parallelize_wan_pipeline if kind == "wan" else parallelize_latte_pipeline
-    sampler = parallelize(pipe, dsp_group=dsp_group, cfg_group=cfg_group)
+    if kind == "pipeline":
+        sampler: Any = parallelize_pipeline(pipe, dsp_group=dsp_group)
+    else:
+        parallelize = parallelize_wan_pipeline if kind == "wan" else parallelize_latte_pipeline
+        sampler = parallelize(pipe, dsp_group=dsp_group, cfg_group=cfg_group)
     call = call_arguments(args, kind, pipe, device)
     start = time.perf_counter()
-    frames = sampler(**call).frames                  # [B, T, H, W, 3], float in [0, 1], on every rank
+    result = sampler(**call)
+    frames = result.frames                           # [B, T, H, W, 3], float in [0, 1], on every rank
+    audio = getattr(result, "audio", None)             # LTX-2: the waveform [B, channels, samples]
     seconds = time.perf_counter() - start
     layout = f"cfg(2) x dsp({world // 2})" if args.cfg_parallel else f"dsp({world})"
     if args.vae_tiling:
@@ -290,6 +339,9 @@ def sample(args: argparse.Namespace) -> dict[str, Any]:
         for out in args.output:
             write(frames, out, args.fps)
             log.info("%s: wrote %s", PROG, out)
+            if audio is not None and out.endswith(".pt"):
+                torch.save(torch.as_tensor(audio), out[:-3] + ".audio.pt")
+                log.info("%s: wrote %s", PROG, out[:-3] + ".audio.pt")
     return {"rank": rank, "world": world, "seconds": seconds, "shape": tuple(frames.shape)}
 
 

@@ -115,7 +115,7 @@ class FrameShardedSampler:
         call.pop(next(iter(self._signature.parameters)))
         call.update(call.pop("kwargs", {}) or {})
         frames, do_cfg = self.check_call(call)
-        shared = call.get("generator") is None and call.get("latents") is None
+        shared = self.draws_unseeded(call)
         with self.intercepted(frames, do_cfg and self.cfg_group is not None, share_noise=shared):
             out = type(self.pipe).__call__(self.pipe, *args, **kwargs)
         if call.get("output_type") in ("latent", "latents"):     # the loop's shard, gathered once
@@ -145,6 +145,11 @@ class FrameShardedSampler:
         ``guidance_scale > 1`` (Latte, Wan); a pipeline that decides otherwise says so."""
         guidance_scale = call.get("guidance_scale", 1.0)
         return guidance_scale > 1.0, f"guidance_scale={guidance_scale}", "guidance_scale > 1"
+
+    def draws_unseeded(self, call: dict[str, Any]) -> bool:
+        """Whether the call draws noise from each process's own default generator (no generator and no latents
+        given), so that rank 0's is sent to the others."""
+        return call.get("generator") is None and call.get("latents") is None
 
     def agree_call(self, values: dict[str, Any]) -> None:
         """The call's arguments are alike on every rank of the DSP and the CFG group, else ``InputMismatch``
