@@ -63,13 +63,13 @@ def cp_plan_classes() -> list[str]:
     import importlib
     import pkgutil
 
-    import diffusers.models.transformers as transformers
+    from diffusers.models import transformers
 
     found = set()
     for info in pkgutil.iter_modules(transformers.__path__):
         try:
             module = importlib.import_module(f"{transformers.__name__}.{info.name}")
-        except Exception:  # an optional dependency missing: that module's models cannot run here anyway
+        except ImportError:  # an optional dependency missing: that module's models cannot run here anyway
             continue
         for name, cls in vars(module).items():
             if isinstance(cls, type) and cls.__module__ == module.__name__ and vars(cls).get("_cp_plan"):
