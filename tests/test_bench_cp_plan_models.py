@@ -19,7 +19,7 @@ EXACT = 1e-12
 # (our all-to-alls per layer, diffusers' all-to-alls per layer): the head switch (q, k, v packed; the output back)
 # against one all-to-all each for q, k, v and the output; MiniMax-H3's diffusers count includes its text refiner
 # layer (Ulysses there too: 3 attentions over 2 layers)
-COUNTS = {"Wan": (2, 4), "ChronoEdit": (2, 4), "Helios": (2, 4), "MiniMax-H3": (2, 6)}
+COUNTS = {"Wan": (2, 4), "ChronoEdit": (2, 4), "Helios": (2, 4), "MiniMax-H3": (2, 6), "Flux": (None, 4)}
 # our gathers: the exit, and LTX-2's video keys its audio queries read (one per layer)
 GATHERS = {"LTX-2": 3}
 
@@ -31,7 +31,14 @@ def test_cp_plan_models_bench_at_two_ranks() -> None:
     assert list(rows) == list(MODELS)
     for label, row in rows.items():
         print(label, {k: v for k, v in row.items() if k != "lengths"})
-        ours, layers = row["ours"], row["layers"]
+        layers = row["layers"]
+        if label == "Flux":  # joint attention: the plan derived from its _cp_plan splits the text's ids with the
+            # image tokens while the text stays whole (plan/builtin/from_cp_plan.py: a joint model is not served)
+            assert row["ours_refused"].startswith("fails: ValueError: : Split('txt_ids')"), row
+            theirs = row["diffusers"]
+            assert theirs["max_diff"] <= EXACT and theirs["all_to_all"] / layers == COUNTS[label][1], theirs
+            continue
+        ours = row["ours"]
         assert ours["max_diff"] <= EXACT, (label, ours)
         assert ours["ops"] == {"all_to_all": (ours["all_to_all"], ours["a2a_bytes"]),
                                "all_gather": (GATHERS.get(label, 1), ours["gather_bytes"])}, (label, ours)

@@ -39,18 +39,23 @@ MODELS = {"Wan": ("tiny-wan", "WanTransformer3DModel"),
           "Helios": ("tiny-helios", "HeliosTransformer3DModel"),
           "LTX-Video": ("tiny-ltx-video", "LTXVideoTransformer3DModel"),
           "LTX-2": ("tiny-ltx2", "LTX2VideoTransformer3DModel"),
-          "MiniMax-H3": ("tiny-minimax-h3", "MiniMaxH3Transformer3DModel")}
+          "MiniMax-H3": ("tiny-minimax-h3", "MiniMaxH3Transformer3DModel"),
+          "Flux": ("tiny-flux", "FluxTransformer2DModel")}  # 1 double- and 1 single-stream block: 2 layers
 #: the builders' shape per model: 4 heads, 4 latent frames of 8x8 (4x4 = 16 patches a frame: 64 video tokens, whole
 #: frames on 2 and 4 ranks); what else diffusers splits divisible by 4: the text of LTX-Video and LTX-2 (8 tokens),
 #: MiniMax-H3's packed rows (6 text + 64 video + 6 audio); Helios: its 3 new frames (48 tokens) after 20 of history
 SHAPES = {label: {"heads": 4, "size": 8, "frames": 4} for label in MODELS} | {
     "Helios": {"heads": 4, "size": 8}, "LTX-Video": {"heads": 4, "size": 8, "frames": 4, "text": 8},
-    "LTX-2": {"heads": 4, "size": 8, "frames": 4, "text": 8}, "MiniMax-H3": {"heads": 4, "size": 8, "frames": 4, "text": 6}}
+    "LTX-2": {"heads": 4, "size": 8, "frames": 4, "text": 8},
+    "MiniMax-H3": {"heads": 4, "size": 8, "frames": 4, "text": 6},
+    "Flux": {"heads": 4, "size": 8, "text": 8}}  # 8x8 image tokens (packed latents) and 8 text tokens
 #: the smallest (the test; N=2 only): 2 heads, 2 latent frames of 4x4 (2x2 patches a frame: 8 video tokens), text 4
-#: where split (MiniMax-H3: 4 + 8 + 6 rows); Helios as above (at 4x4 its 17 tokens with history do not split in two)
+#: where split (MiniMax-H3: 4 + 8 + 6 rows; Flux: 4x4 image tokens); Helios as above (at 4x4 its 17 tokens with
+#: history do not split in two)
 QUICK = {label: {"heads": 2, "size": 4, "frames": 2} for label in MODELS} | {
     "Helios": {"heads": 2, "size": 8}, "LTX-Video": {"heads": 2, "size": 4, "frames": 2, "text": 4},
-    "LTX-2": {"heads": 2, "size": 4, "frames": 2, "text": 4}, "MiniMax-H3": {"heads": 2, "size": 4, "frames": 2, "text": 4}}
+    "LTX-2": {"heads": 2, "size": 4, "frames": 2, "text": 4},
+    "MiniMax-H3": {"heads": 2, "size": 4, "frames": 2, "text": 4}, "Flux": {"heads": 2, "size": 4, "text": 4}}
 #: rows without a model run: (what we do, what diffusers does)
 NOT_BENCHED = {"Cosmos 3": ("refused by parallelize (plan/builtin/refused.py: two pathways in one attention call on "
                             "a packed sequence, grouped K/V heads)",
@@ -136,15 +141,22 @@ def _one(label: str, n: int, dtype: torch.dtype, shape: dict[str, int]) -> dict[
         expected = forward(reference)()
     for hook in hooks:
         hook.remove()
-    blocks = getattr(reference, "blocks", None) or reference.transformer_blocks
-    row: dict[str, Any] = {"layers": len(blocks), "heads": shape["heads"], "lengths": lengths,
+    layers = sum(len(getattr(reference, name, ())) for name in ("blocks", "transformer_blocks",
+                                                                "single_transformer_blocks"))
+    from dsp_plugin.plan.builtin import BY_CLASS
+
+    row: dict[str, Any] = {"plan": "built-in plan" if type(reference).__name__ in BY_CLASS else
+                           "plan derived from its `_cp_plan`", "layers": layers, "heads": shape["heads"], "lengths": lengths,
                            "outputs": [list(e.shape) for e in expected]}
     try:
         ours = dsp_plugin.parallelize(copy.deepcopy(reference))
     except ValueError as exc:  # a refusal: the same on every rank, before any collective
         row["ours_refused"] = str(exc)
     else:
-        row["ours"] = diffusers_cp.account(forward(ours), expected)
+        try:  # a refusal in the forward: shape checks, the same on every rank before the collective they guard
+            row["ours"] = diffusers_cp.account(forward(ours), expected)
+        except ValueError as exc:
+            row["ours_refused"] = f"fails: ValueError: {str(exc).splitlines()[0]}"
     why = _refusal(shape["heads"], lengths, n)
     if why is not None:
         row["diffusers_refused"] = why
@@ -221,7 +233,7 @@ def markdown(rows: dict[str, Any], n: int, *, dtype: str = "float64", classes: l
         layers = row["layers"]
         shape = (f"{label} ({MODELS[label][1]}; {layers} layers, {row['heads']} heads; diffusers splits "
                  + " and ".join(map(str, sorted(set(row["lengths"].values())))) + " rows)")
-        for method, name in (("ours", "dsp_plugin.parallelize (built-in plan)"),
+        for method, name in (("ours", f"dsp_plugin.parallelize ({row['plan']})"),
                              ("diffusers", f"diffusers {diffusers.__version__} Ulysses (`_cp_plan`)"),
                              ("diffusers_cut", "diffusers Ulysses, `_cp_plan` cut to the model's layers")):
             r = row.get(method)
@@ -239,7 +251,7 @@ def markdown(rows: dict[str, Any], n: int, *, dtype: str = "float64", classes: l
     for cls in classes or []:
         if cls not in known:
             lines.append(f"| {cls} | both | - | not benched here: no tiny builder in dsp_plugin.testing (an image "
-                         "model) | - | - |")
+                         "model with joint attention, as Flux) | - | - |")
     lines += ["", f"diffusers' side: its own code, unpatched: {WHY}."]
     return "\n".join(lines)
 

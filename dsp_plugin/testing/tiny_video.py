@@ -280,6 +280,7 @@ CASES.update({
     "tiny-hunyuan-video15": _more("tiny_video_joint", "hunyuan_video15"),
     "tiny-sana-video": _more("tiny_video_joint", "sana_video"),
     "tiny-helios": _more("tiny_video_wan", "helios"),
+    "tiny-flux": _more("tiny_image", "flux"),  # an image model (bench.cp_plan_models: it declares a _cp_plan)
 })
 
 
