@@ -129,6 +129,7 @@ def _refusal(heads: int, lengths: dict[str, int], n: int) -> str | None:
 def _one(label: str, n: int, dtype: torch.dtype, shape: dict[str, int]) -> dict[str, Any]:
     import dsp_plugin
     from dsp_plugin.bench import diffusers_cp
+    from dsp_plugin.plan.builtin import BY_CLASS
     from dsp_plugin.testing.tiny_video import case
 
     reference, kwargs = case(MODELS[label][0], dtype, **shape)
@@ -143,17 +144,15 @@ def _one(label: str, n: int, dtype: torch.dtype, shape: dict[str, int]) -> dict[
         hook.remove()
     layers = sum(len(getattr(reference, name, ())) for name in ("blocks", "transformer_blocks",
                                                                 "single_transformer_blocks"))
-    from dsp_plugin.plan.builtin import BY_CLASS
-
-    row: dict[str, Any] = {"plan": "built-in plan" if type(reference).__name__ in BY_CLASS else
-                           "plan derived from its `_cp_plan`", "layers": layers, "heads": shape["heads"], "lengths": lengths,
+    plan = "built-in plan" if type(reference).__name__ in BY_CLASS else "plan derived from its `_cp_plan`"
+    row: dict[str, Any] = {"plan": plan, "layers": layers, "heads": shape["heads"], "lengths": lengths,
                            "outputs": [list(e.shape) for e in expected]}
     try:
         ours = dsp_plugin.parallelize(copy.deepcopy(reference))
     except ValueError as exc:  # a refusal: the same on every rank, before any collective
         row["ours_refused"] = str(exc)
     else:
-        try:  # a refusal in the forward: shape checks, the same on every rank before the collective they guard
+        try:  # a refusal in the forward (a shape check: equal shapes on every rank, so every rank raises it)
             row["ours"] = diffusers_cp.account(forward(ours), expected)
         except ValueError as exc:
             row["ours_refused"] = f"fails: ValueError: {str(exc).splitlines()[0]}"

@@ -85,7 +85,8 @@ def ltx_video(per_token: bool = False, *, heads: int = HEADS, size: int = SIZE, 
               frames: int = FRAMES) -> tuple[Any, dict[str, Any]]:
     """LTX-Video takes patchified latents ``[B, F*H*W, C]`` (patch 1); ``per_token``: a timestep per token, as
     ``LTXConditionPipeline`` passes for its conditioning frames. ``heads``, ``size`` (``size // 2`` patches a side),
-    ``text`` tokens and latent ``frames`` change the shape (the bench's ``cp_plan_models``: shapes diffusers' Ulysses can run)."""
+    ``text`` tokens and latent ``frames`` change the shape (``bench.cp_plan_models``: shapes diffusers' Ulysses
+    runs)."""
     from diffusers import LTXVideoTransformer3DModel
 
     torch.manual_seed(0)

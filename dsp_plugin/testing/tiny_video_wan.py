@@ -4,8 +4,8 @@ Each function returns ``(model, kwargs)`` like ``tiny_video.CASES`` (fp32, weigh
 from ``torch.manual_seed(0)``, zero-initialised parameters filled, 3 heads, 2
 samples, 5 latent frames of 3x3 patches, 45 video tokens: uneven on 2 and 4 ranks,
 7 text tokens) unless its docstring says otherwise; ``heads``, ``size`` (latent height = width), ``text`` and
-``frames`` change that shape where a builder takes them (``bench.cp_plan_models``: shapes diffusers' Ulysses runs). Their models keep modules in
-fp32 (``_keep_in_fp32_modules``); ``tiny_video.case`` casts them as
+``frames`` change that shape where a builder takes them (``bench.cp_plan_models``: shapes diffusers' Ulysses
+runs). Their models keep modules in fp32 (``_keep_in_fp32_modules``); ``tiny_video.case`` casts them as
 ``from_pretrained(torch_dtype=...)`` does.
 """
 
