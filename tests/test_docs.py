@@ -192,6 +192,8 @@ RULES: list[Rule] = [
          "tests/test_bench.py (--quick) and its Wan row in tests/test_plan_bench.py"),
     Rule(r"python -m dsp_plugin\.bench\.wan", "covered",
          tests=("tests/test_plan_bench.py::test_wan_row_quick_runs_diffusers_beside_ours",)),
+    Rule(r"python -m dsp_plugin\.bench\.cp_plan_models", "covered",
+         tests=("tests/test_bench_cp_plan_models.py::test_cp_plan_models_bench_at_two_ranks",)),
     Rule(r"docs/benchmarks\.md:json", "run"),
     Rule(r"dsp_plugin\.bench\.switch --reps 30 --compare-with", "run",
          subs=((r"--reps 30 --compare-with OLD_COMM\.py", "--nproc 2 --mib 1 --reps 2 --compare-with "

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WHY", "enable_ulysses", "refusal"]
+__all__ = ["WHY", "account", "enable_ulysses", "prepare_rank", "refusal"]
 
 #: one sentence for the bench's output
 WHY = ("diffusers' `enable_parallelism` stops without an accelerator (`rank % torch.accelerator.device_count()`, "
@@ -55,8 +55,9 @@ def refusal(heads: int, tokens: int, n: int) -> str | None:
     return None
 
 
-def enable_ulysses(model: Any, n: int) -> str:
-    """Turn on diffusers' Ulysses (``ulysses_degree=n``) over the whole world, on the CPU; say how it was done."""
+def enable_ulysses(model: Any, n: int, plan: dict[str, Any] | None = None) -> str:
+    """Turn on diffusers' Ulysses (``ulysses_degree=n``) over the whole world, on the CPU; say how it was done.
+    ``plan``: a context-parallel plan in place of the model's ``_cp_plan`` (``enable_parallelism(cp_plan=...)``)."""
     import torch.distributed as dist
     from diffusers.hooks.context_parallel import apply_context_parallel
     from diffusers.models._modeling_parallel import ContextParallelConfig, ParallelConfig
@@ -68,7 +69,7 @@ def enable_ulysses(model: Any, n: int) -> str:
     cp = ContextParallelConfig(ulysses_degree=n)
     cp.mesh = init_device_mesh("cpu", cp.mesh_shape, mesh_dim_names=cp.mesh_dim_names)
     try:
-        model.enable_parallelism(config=cp)
+        model.enable_parallelism(config=cp, cp_plan=plan)
         return "enable_parallelism"
     except ZeroDivisionError:  # no accelerator: the device line only; nothing was recorded on the model yet
         pass
@@ -84,5 +85,37 @@ def enable_ulysses(model: Any, n: int) -> str:
                              "diffusers' context parallelism")
         processor._parallel_config = config
     model._parallel_config = config
-    apply_context_parallel(model, cp, model._cp_plan)
+    apply_context_parallel(model, cp, plan if plan is not None else model._cp_plan)
     return "enable_parallelism's body (no accelerator)"
+
+
+def prepare_rank() -> None:
+    """A bench rank's setup before it runs a model both ways: third-party notices out of the tables, the whole world
+    the DSP group (``group=None`` refuses without one)."""
+    import warnings
+
+    from diffusers.utils import logging as diffusers_logging
+
+    from dsp_plugin.log import quiet_third_party
+    from dsp_plugin.topology import Topology, set_topology
+
+    quiet_third_party()
+    diffusers_logging.set_verbosity_error()  # "experimental feature"; Wan 2.1's 1-D timestep is left unsplit
+    warnings.filterwarnings("ignore", "`torch.distributed._functional_collectives.all_gather_tensor` is deprecated",
+                            FutureWarning)   # diffusers' gather hook, once per rank
+    set_topology(Topology.world())
+
+
+def account(forward: Any, expected: list[torch.Tensor]) -> dict[str, Any]:
+    """One ``forward()`` (a list of output tensors) under ``no_grad``, its collectives on this rank
+    (``CommAccounting``: count and bytes sent per op) and the max |difference| from ``expected``, output by output."""
+    from dsp_plugin.accounting import CommAccounting
+
+    with torch.no_grad(), CommAccounting(activations=False) as acct:
+        outs = forward()
+    ops = sorted({r.op for r in acct.records})
+    return {"max_diff": max((o - e).abs().max().item() for o, e in zip(outs, expected, strict=True)),
+            "all_to_all": acct.count("all_to_all"), "a2a_bytes": acct.bytes_sent("all_to_all"),
+            "all_gather": acct.count("all_gather"), "gather_bytes": acct.bytes_sent("all_gather"),
+            "other": acct.count() - acct.count("all_to_all") - acct.count("all_gather"),
+            "ops": {op: (acct.count(op), acct.bytes_sent(op)) for op in ops}}

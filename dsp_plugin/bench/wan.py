@@ -34,7 +34,6 @@ import argparse
 import contextlib
 import copy
 import time
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -113,31 +112,11 @@ def hand_parallel(reference: Any, size: tuple[int, ...], group: Any = None) -> t
     return model, running
 
 
-def _account(model: Any, batch: tuple[torch.Tensor, ...], expected: torch.Tensor) -> dict[str, Any]:
-    from dsp_plugin.accounting import CommAccounting
-
-    with torch.no_grad(), CommAccounting(activations=False) as acct:
-        out = model(*batch, return_dict=False)[0]
-    return {"max_diff": (out - expected).abs().max().item(),
-            "all_to_all": acct.count("all_to_all"), "a2a_bytes": acct.bytes_sent("all_to_all"),
-            "all_gather": acct.count("all_gather"), "gather_bytes": acct.bytes_sent("all_gather"),
-            "other": acct.count() - acct.count("all_to_all") - acct.count("all_gather")}
-
-
 def _worker(rank: int, n: int, size: tuple[int, ...], steps: int) -> dict[str, Any]:
-    from dsp_plugin.log import quiet_third_party
-
-    quiet_third_party()                 # third-party notices stay out of the tables
-    import dsp_plugin
-    from diffusers.utils import logging as diffusers_logging
-
     from dsp_plugin.bench import diffusers_cp
-    from dsp_plugin.topology import Topology, set_topology
 
-    diffusers_logging.set_verbosity_error()  # "experimental feature"; Wan 2.1's 1-D timestep is left unsplit
-    warnings.filterwarnings("ignore", "`torch.distributed._functional_collectives.all_gather_tensor` is deprecated",
-                            FutureWarning)   # diffusers' gather hook, once per rank
-    set_topology(Topology.world())           # the whole world is the DSP group (group=None refuses without one)
+    diffusers_cp.prepare_rank()         # third-party notices out of the tables; the world the DSP group
+    import dsp_plugin
     reference, batch = _setup(size)
     layers, heads = size[0], size[1]
     tokens = size[3] * (size[4] // 2) ** 2
@@ -151,7 +130,7 @@ def _worker(rank: int, n: int, size: tuple[int, ...], steps: int) -> dict[str, A
     with torch.no_grad():
         expected = reference(*batch, return_dict=False)[0]
     for name, model in models.items():
-        out[name] = _account(model, batch, expected)
+        out[name] = diffusers_cp.account(lambda m=model: [m(*batch, return_dict=False)[0]], [expected])
     times: dict[str, list[float]] = {name: [] for name in models}
     cpu: dict[str, list[float]] = {name: [] for name in models}
     names = list(models)
@@ -202,9 +181,9 @@ def _spread(q: dict[str, float]) -> str:
 
 
 def markdown(row: dict[str, Any]) -> str:
-    from dsp_plugin.bench.diffusers_cp import WHY
-
     import diffusers
+
+    from dsp_plugin.bench.diffusers_cp import WHY
 
     n, layers = row["n"], row["layers"]
     _, heads, head_dim, frames, hw = row["size"]

@@ -35,14 +35,14 @@ def _g() -> torch.Generator:
     return torch.Generator().manual_seed(1)
 
 
-def _text_mask(valid: int = 4) -> torch.Tensor:
-    mask = torch.ones(BATCH, TEXT)
+def _text_mask(valid: int = 4, text: int = TEXT) -> torch.Tensor:
+    mask = torch.ones(BATCH, text)
     mask[0, valid:] = 0  # sample 0's text is padded after `valid` tokens, sample 1's is whole
     return mask
 
 
-def _latents(g: torch.Generator, frames: int = FRAMES, channels: int = 4) -> torch.Tensor:
-    return torch.randn(BATCH, channels, frames, SIZE, SIZE, generator=g)
+def _latents(g: torch.Generator, frames: int = FRAMES, channels: int = 4, size: int = SIZE) -> torch.Tensor:
+    return torch.randn(BATCH, channels, frames, size, size, generator=g)
 
 
 def hunyuan_video() -> tuple[Any, dict[str, Any]]:
@@ -81,24 +81,28 @@ def hunyuan_video_pipeline() -> Any:
     return pipe
 
 
-def ltx_video(per_token: bool = False) -> tuple[Any, dict[str, Any]]:
+def ltx_video(per_token: bool = False, *, heads: int = HEADS, size: int = SIZE, text: int = TEXT,
+              frames: int = FRAMES) -> tuple[Any, dict[str, Any]]:
     """LTX-Video takes patchified latents ``[B, F*H*W, C]`` (patch 1); ``per_token``: a timestep per token, as
-    ``LTXConditionPipeline`` passes for its conditioning frames."""
+    ``LTXConditionPipeline`` passes for its conditioning frames. ``heads``, ``size`` (``size // 2`` patches a side),
+    ``text`` tokens and latent ``frames`` change the shape (``bench.cp_plan_models``: shapes diffusers' Ulysses
+    runs)."""
     from diffusers import LTXVideoTransformer3DModel
 
     torch.manual_seed(0)
-    model = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=HEADS, attention_head_dim=12,
-                                       cross_attention_dim=36, num_layers=2, caption_channels=TEXT_DIM)
+    model = LTXVideoTransformer3DModel(in_channels=4, out_channels=4, num_attention_heads=heads, attention_head_dim=12,
+                                       cross_attention_dim=heads * 12, num_layers=2, caption_channels=TEXT_DIM)
     g = _g()
-    tokens = FRAMES * 3 * 3
+    side = size // 2
+    tokens = frames * side * side
     timestep = torch.tensor([3.0, 700.0])
     if per_token:
         timestep = timestep[:, None].repeat(1, tokens)
         timestep[:, :9] = 0.0  # the first frame is a clean condition
     return fill_zeros(model), {
         "hidden_states": torch.randn(BATCH, tokens, 4, generator=g),
-        "encoder_hidden_states": torch.randn(BATCH, TEXT, TEXT_DIM, generator=g), "timestep": timestep,
-        "encoder_attention_mask": _text_mask(4), "num_frames": FRAMES, "height": 3, "width": 3,
+        "encoder_hidden_states": torch.randn(BATCH, text, TEXT_DIM, generator=g), "timestep": timestep,
+        "encoder_attention_mask": _text_mask(4, text), "num_frames": frames, "height": side, "width": side,
         "rope_interpolation_scale": (8 / 25, 32, 32)}
 
 
@@ -220,14 +224,14 @@ def framepack() -> tuple[Any, dict[str, Any]]:
         "latents_history_4x": _latents(g, 4), "indices_latents_history_4x": indices(1, 2, 3, 4)}
 
 
-def _tiny(name: str) -> Callable[[], tuple[Any, dict[str, Any]]]:
-    def build() -> tuple[Any, dict[str, Any]]:
+def _tiny(name: str) -> Callable[..., tuple[Any, dict[str, Any]]]:
+    def build(heads: int = HEADS, size: int = SIZE, frames: int = FRAMES) -> tuple[Any, dict[str, Any]]:
         from dsp_plugin.testing import tiny
 
         g = _g()
         if name == "wan":
-            return tiny.tiny_wan(layers=2, heads=HEADS, head_dim=8), {
-                "hidden_states": _latents(g), "timestep": torch.tensor([3, 700]),
+            return tiny.tiny_wan(layers=2, heads=heads, head_dim=8), {
+                "hidden_states": _latents(g, frames, size=size), "timestep": torch.tensor([3, 700]),
                 "encoder_hidden_states": torch.randn(BATCH, TEXT, TEXT_DIM, generator=g)}
         return tiny.tiny_latte(frames=FRAMES, layers=2, heads=HEADS, head_dim=4, sample_size=SIZE), {
             "hidden_states": _latents(g), "timestep": torch.tensor([3, 700]),
@@ -236,7 +240,7 @@ def _tiny(name: str) -> Callable[[], tuple[Any, dict[str, Any]]]:
     return build
 
 
-CASES: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
+CASES: dict[str, Callable[..., tuple[Any, dict[str, Any]]]] = {
     "tiny-hunyuan-video": hunyuan_video,
     "tiny-ltx-video": ltx_video,
     "tiny-ltx-video-per-token": lambda: ltx_video(per_token=True),
@@ -253,11 +257,11 @@ CASES: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
 }
 
 
-def _more(module: str, name: str) -> Callable[[], tuple[Any, dict[str, Any]]]:
-    def build() -> tuple[Any, dict[str, Any]]:
+def _more(module: str, name: str) -> Callable[..., tuple[Any, dict[str, Any]]]:
+    def build(**shape: int) -> tuple[Any, dict[str, Any]]:
         import importlib
 
-        return getattr(importlib.import_module(f"dsp_plugin.testing.{module}"), name)()
+        return getattr(importlib.import_module(f"dsp_plugin.testing.{module}"), name)(**shape)
 
     return build
 
@@ -277,6 +281,7 @@ CASES.update({
     "tiny-hunyuan-video15": _more("tiny_video_joint", "hunyuan_video15"),
     "tiny-sana-video": _more("tiny_video_joint", "sana_video"),
     "tiny-helios": _more("tiny_video_wan", "helios"),
+    "tiny-flux": _more("tiny_image", "flux"),  # an image model (bench.cp_plan_models: it declares a _cp_plan)
 })
 
 
@@ -291,11 +296,12 @@ def cast(value: Any, dtype: torch.dtype) -> Any:
     return value
 
 
-def case(name: str, dtype: torch.dtype = torch.float32) -> tuple[Any, dict[str, Any]]:
-    """``CASES[name]()`` in ``dtype`` (model and inputs), or a ValueError naming the known names."""
+def case(name: str, dtype: torch.dtype = torch.float32, **shape: int) -> tuple[Any, dict[str, Any]]:
+    """``CASES[name](**shape)`` in ``dtype`` (model and inputs), or a ValueError naming the known names. ``shape``
+    (``heads``, ``size``, ``text``, ``frames``: where the case's builder takes them) changes the default shape."""
     if name not in CASES:
         raise ValueError(f"unknown tiny model {name!r}; expected one of {', '.join(CASES)}")
-    model, kwargs = CASES[name]()
+    model, kwargs = CASES[name](**shape)
     return keep_fp32(model.to(dtype)), cast(kwargs, dtype)
 
 
