@@ -22,10 +22,11 @@ a module whose token input is split and     a ``Block`` of its own (diffusers' s
 its output gathered                         feed-forward): ``Heads()`` on it if it is self-attention
 ==========================================  ===========================================================
 
-What cannot be derived is refused, naming the entry: an input without ``expected_dims`` (its layout is unknown), a
-``ContextParallelInput`` list on one argument. A model whose attention is joint (text concatenated with the tokens
-inside the attention) needs ``Heads(joint=...)``, which a ``_cp_plan`` does not say: the head switch refuses its
-first call, naming the joint tokens. ``parallelize`` logs one line when it uses a derived plan.
+What cannot be derived is refused at ``parallelize``, naming the entry: an input without ``expected_dims`` (its
+layout is unknown), a ``ContextParallelInput`` list on one argument, and joint attention: a self-attention module
+that projects the text's queries itself (``add_q_proj``: Flux, whose ``_cp_plan`` splits the text and its ids with
+the image tokens) needs ``Heads(joint=...)`` and the text whole, which a ``_cp_plan`` does not say. ``parallelize``
+logs one line when it uses a derived plan.
 """
 
 from __future__ import annotations
@@ -148,7 +149,15 @@ def plan_from_cp_plan(model: nn.Module) -> dict[str, Any] | None:
             module = model.get_submodule(region.replace(".*", ".0"))
             for sub, child in module.named_modules():
                 if _is_attention(child) and _is_self_attention(sub or region, child):
-                    heads.append(f"{region}.{sub}" if sub else region)
+                    path = f"{region}.{sub}" if sub else region
+                    if getattr(child, "add_q_proj", None) is not None:
+                        raise ValueError(
+                            f"parallelize: {type(model).__name__} has a _cp_plan but no built-in plan, and its "
+                            f"attention {path} is joint (it projects the text's queries itself, add_q_proj: text and "
+                            f"tokens attend as one sequence); a plan derived from a _cp_plan keeps the text whole and "
+                            f"cannot say where the joint tokens go; pass plan= with Heads(joint='first' or 'last') "
+                            f"(docs/models.md, 'Joint attention')")
+                    heads.append(path)
     for path in dict.fromkeys(heads):
         plan.setdefault(path, []).append(Heads())
     return {path: specs[0] if len(specs) == 1 else specs for path, specs in plan.items()}
