@@ -133,6 +133,7 @@ def test_a_run_that_leaves_process_groups_held_gets_the_pool_rebuilt() -> None:
     too_many = _GLOO_THREADS_KEPT // 3 + 1
     if run_distributed(_gloo_threads_here, 2) != [3, 3]:   # earlier tests left some (below the limit): shed them
         run_distributed(_hold_groups, 2, too_many)
+    assert run_distributed(_gloo_threads_here, 2) == [3, 3]   # the pool up (a shed one restarts here), clean
     started = pool(2).starts
     run_distributed(_hold_groups, 2, too_many)
     assert run_distributed(_gloo_threads_here, 2) == [3, 3]   # only this run's own group
