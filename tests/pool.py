@@ -102,7 +102,7 @@ class RankPool:
                                 final_barrier, self.world_size))
         for queue in self._tasks:
             queue.put((task, payload))
-        healthy = False
+        healthy, blobs, errors, complete = False, {}, [], None   # None: interrupted before any report
         try:
             blobs, errors, complete = collect(self._results, self._procs, timeout, task=task)
             # every rank reported, and alike (all returned or all raised), and each could reset its state
@@ -110,7 +110,7 @@ class RankPool:
         finally:
             if not healthy:   # a timeout, a dead rank, a failure on some ranks only, or the test interrupted
                 self.rebuilt_after.append((os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" ", 1)[0],
-                                           _why_unhealthy(locals())))
+                                           _why_unhealthy(complete, errors, blobs)))
                 self.kill()
         if errors:
             raise SpawnError("\n".join(sorted(errors)))
@@ -147,13 +147,13 @@ class RankPool:
         self.kill()
 
 
-def _why_unhealthy(scope: dict[str, Any]) -> str:
-    """Why ``RankPool.run`` kills its processes, from its locals."""
-    if "complete" not in scope:
+def _why_unhealthy(complete: bool | None, errors: list[str], blobs: dict[int, bytes]) -> str:
+    """Why ``RankPool.run`` kills its processes (``complete`` None: the run was interrupted)."""
+    if complete is None:
         return "interrupted"
-    if not scope["complete"]:
+    if not complete:
         return "timeout or a dead rank"
-    if scope["errors"] and scope["blobs"]:
+    if errors and blobs:
         return "failed on some ranks only"
     return "a rank could not reset its state, or held leaked gloo threads"
 
