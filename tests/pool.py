@@ -6,6 +6,11 @@ test session (per world size, when a test first asks for it) and then runs one t
 another on them, as DeepSpeed's ``DistributedTest`` with ``reuse_dist_env`` and PyTorch's
 ``MultiProcContinuousTest`` do.
 
+The ranks are forked from a ``multiprocessing`` fork server that imported torch, torch.distributed,
+DeepSpeed, megatron-core and diffusers once (``_PRELOAD``): starting or rebuilding a pool of 4 costs
+about a second instead of every rank importing them again (11 s for 4 ranks, 6 more once a body imports
+the frameworks, measured on the 2-core machine). ``DSP_TEST_POOL_START=spawn`` starts new interpreters.
+
 Per run, each rank (``_worker``):
 
 - takes the parent's environment and working directory as they are at the call (what a spawned
@@ -15,7 +20,8 @@ Per run, each rank (``_worker``):
   fresh group per run costs milliseconds, and no run can read a message a failed run left on a pair;
 - then resets what a test body can leave behind in the process: the topology, the cross-rank
   check's memory of signatures, nn.Module global hooks, compiled graphs, DeepSpeed's and Megatron's
-  module-level groups and arguments, environment, working directory, ``sys.argv`` and signal handlers.
+  module-level groups and arguments, Megatron's CPU shim of ``torch.cuda``, environment, working directory,
+  ``sys.argv`` and signal handlers.
 
 A run that times out, whose rank dies, or that fails on some ranks but not all gets the pool killed;
 the next run starts a new one. A run whose every rank raised keeps it (a refusal on every rank is
@@ -73,13 +79,14 @@ class RankPool:
 
     def _start(self) -> None:
         self.kill()
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self._tmp = tempfile.TemporaryDirectory(prefix=f"dsp-pool{self.world_size}-")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._retiring = [ctx.Event() for _ in range(self.world_size)]
         # not daemonic: a test body may start DataLoader workers
-        self._procs = [ctx.Process(target=_worker, args=(r, self._tasks[r], self._results, self._retiring[r]),
+        self._procs = [ctx.Process(target=_worker, args=(r, self._tasks[r], self._results, self._retiring[r],
+                                                         os.getpid()),
                                    name=f"pool-rank{r}") for r in range(self.world_size)]
         for p in self._procs:
             p.start()
@@ -147,6 +154,21 @@ class RankPool:
         self.kill()
 
 
+#: what the fork server imports once, before it forks any rank: a rank is a fork of a process that has already
+#: imported torch and the frameworks, not a new interpreter importing them again
+_PRELOAD = ("torch", "torch.distributed", "tests.pool", "deepspeed", "megatron.core", "diffusers")
+
+
+def _context() -> Any:
+    """The ranks' start method: ``forkserver``, its server preloading ``_PRELOAD`` (DSP_TEST_POOL_START=spawn
+    starts each rank as a new interpreter instead)."""
+    method = os.environ.get("DSP_TEST_POOL_START", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(list(_PRELOAD))
+    return ctx
+
+
 def _why_unhealthy(complete: bool | None, errors: list[str], blobs: dict[int, bytes]) -> str:
     """Why ``RankPool.run`` kills its processes (``complete`` None: the run was interrupted)."""
     if complete is None:
@@ -186,15 +208,31 @@ atexit.register(close_pools)
 
 def _leave_with_the_parent(parent: int) -> None:
     """A pytest killed (CI's limit, ^C, a timeout signal) cannot ask its ranks to leave: they go by themselves,
-    even in the middle of a test body, as soon as the process that started them is gone."""
+    even in the middle of a test body, as soon as the test process that started them is gone. (Their parent
+    is the fork server, which stays while they do: it is the test process that is watched.)"""
     while True:
         time.sleep(1)
-        if os.getppid() != parent:
+        if not _running(parent):
             os._exit(3)
 
 
-def _worker(rank: int, tasks: Any, results: Any, retiring: Any) -> None:
-    threading.Thread(target=_leave_with_the_parent, args=(os.getppid(),), daemon=True, name="pool-watchdog").start()
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (a killed pytest its own parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return not os.path.isdir("/proc/self")   # a /proc without the pid: it is gone
+
+
+def _worker(rank: int, tasks: Any, results: Any, retiring: Any, parent: int) -> None:
+    threading.Thread(target=_leave_with_the_parent, args=(parent,), daemon=True, name="pool-watchdog").start()
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
@@ -239,6 +277,7 @@ class _Fresh:
         self.handlers = {s: signal.getsignal(s) for s in _SIGNALS}
         self.diffusers = _attention_registry_state()
         self.compile_configs = _compile_configs()
+        self.cuda = _cuda_namespaces()
 
     def enter(self, env: dict[str, str], cwd: str) -> None:
         import torch
@@ -265,6 +304,7 @@ class _Fresh:
                       f"{traceback.format_exc()}", file=sys.stderr, flush=True)
                 clean = False
         _put_attention_registry_back(self.diffusers)
+        _put_cuda_back(self.cuda)
         with warnings.catch_warnings():  # loading names settings torch deprecated ("does not do anything")
             warnings.simplefilter("ignore", FutureWarning)
             for config, saved in self.compile_configs:
@@ -320,6 +360,26 @@ def _compile_configs() -> list[tuple[Any, bytes]]:
     import torch._inductor.config
 
     return [(c, c.save_config()) for c in (torch._dynamo.config, torch._functorch.config, torch._inductor.config)]
+
+
+def _cuda_namespaces() -> list[tuple[Any, dict[str, Any]]]:
+    """``torch.cuda``'s, ``torch.cuda.random``'s and ``torch.accelerator``'s names as imported: Megatron's CPU
+    shim (``dsp_plugin.megatron.cpu.install_cuda_shim``, which a test body may install without restoring)
+    replaces ``torch.cuda.Stream`` and the device queries, and a later import that reads them fails
+    (diffusers' ``torch.cuda.Stream | None`` annotations)."""
+    import torch
+
+    return [(ns, dict(vars(ns))) for ns in (torch.cuda, torch.cuda.random, torch.accelerator)]
+
+
+def _put_cuda_back(saved: list[tuple[Any, dict[str, Any]]]) -> None:
+    cpu = sys.modules.get("dsp_plugin.megatron.cpu")
+    while cpu is not None and cpu._MODE:      # the shim's TorchFunctionMode (cuda tensors made on the CPU)
+        cpu._MODE.pop().__exit__(None, None, None)
+    for ns, names in saved:
+        for name, value in names.items():
+            if getattr(ns, name, None) is not value:
+                setattr(ns, name, value)
 
 
 def _attention_registry_state() -> dict[str, Any]:

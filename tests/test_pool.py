@@ -66,6 +66,9 @@ def _leave_things_behind(rank: int, world_size: int) -> None:
     torch.compile(lambda x: x + 1, backend="eager")(torch.ones(2))
     torch._dynamo.config.wrap_top_frame = True                 # set, not patched
     _leave_things_behind.model.set_attention_backend("flex")   # diffusers makes it the process-wide backend
+    from dsp_plugin.megatron.cpu import install_cuda_shim
+
+    install_cuda_shim(training=True)   # Megatron's CPU shim, never restored: torch.cuda.Stream is a lambda
 
 
 def _observe(rank: int, world_size: int) -> dict[str, Any]:
@@ -83,7 +86,9 @@ def _observe(rank: int, world_size: int) -> dict[str, Any]:
             "hooks": len(torch.nn.modules.module._global_forward_hooks), "argv_changed": sys.argv == ["left", "behind"],
             "compiled_frames": len(torch._dynamo.utils.counters["frames"]), "pid": os.getpid(),
             "attention_backend": str(_AttentionBackendRegistry.get_active_backend()[0]),
-            "wrap_top_frame": torch._dynamo.config.wrap_top_frame}
+            "wrap_top_frame": torch._dynamo.config.wrap_top_frame,
+            "cuda": (torch.cuda.is_available(), type(torch.cuda.Stream).__name__, torch.ones(1, device="cuda").device.type
+                     if torch.cuda.is_available() else "no cuda")}
 
 
 def test_a_run_that_leaves_a_hook_or_a_topology_behind_does_not_change_the_next_run() -> None:
