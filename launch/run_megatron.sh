@@ -51,7 +51,9 @@ if [[ -z "$MASTER_PORT" ]]; then  # a free port, so that two launches on one mac
     MASTER_PORT=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 fi
 
-if "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+# CUDA_VISIBLE_DEVICES set and empty hides every GPU: the CPU path, without a python importing torch to ask (4 s)
+if [[ "${CUDA_VISIBLE_DEVICES-unset}" != "" ]] \
+        && "$PYTHON" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     BACKEND=nccl; DTYPE_ARGS=(--bf16)
 else
     BACKEND=gloo; DTYPE_ARGS=(); export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -33,18 +33,35 @@ pytest.importorskip("megatron.training")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def gpu_launch_args(tmp: Path, **knobs: str) -> list[str]:
-    """What ``launch/run_megatron.sh`` passes ``pretrain_stdit`` on a node where CUDA is available."""
-    stub, out = tmp / "python", tmp / "args.txt"
+def launch_args(tmp: Path, **knobs: str) -> tuple[list[str], bool]:
+    """What ``launch/run_megatron.sh`` passes ``pretrain_stdit`` where its CUDA probe answers "available", and
+    whether the script asked the probe. ``knobs``: the script's environment variables (CUDA_VISIBLE_DEVICES too)."""
+    stub, out, asked = tmp / "python", tmp / "args.txt", tmp / "probe_asked"
     # `python -c ...` is the script's CUDA probe (answer: available); anything else is the torchrun line
-    stub.write_text('#!/bin/sh\nif [ "$1" = -c ]; then exit 0; fi\nprintf "%s\\n" "$@" > "$ARGS_OUT"\n')
+    stub.write_text('#!/bin/sh\nif [ "$1" = -c ]; then touch "$PROBE_ASKED"; exit 0; fi\n'
+                    'printf "%s\\n" "$@" > "$ARGS_OUT"\n')
     stub.chmod(0o755)
-    env = {**os.environ, "PYTHON": str(stub), "ARGS_OUT": str(out), "MASTER_PORT": "29500", **knobs}
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+    env |= {"PYTHON": str(stub), "ARGS_OUT": str(out), "PROBE_ASKED": str(asked), "MASTER_PORT": "29500", **knobs}
     subprocess.run(["bash", str(ROOT / "launch/run_megatron.sh")], cwd=ROOT, env=env, check=True, timeout=60)
     argv = out.read_text().splitlines()
     start = argv.index("dsp_plugin.launch.pretrain_stdit") + 1
-    assert argv[start - 2] == "-m" and "--bf16" in argv and argv[argv.index("--distributed-backend") + 1] == "nccl"
-    return argv[start:]
+    assert argv[start - 2] == "-m"
+    return argv[start:], asked.exists()
+
+
+def gpu_launch_args(tmp: Path, **knobs: str) -> list[str]:
+    """What ``launch/run_megatron.sh`` passes ``pretrain_stdit`` on a node where CUDA is available."""
+    argv, asked = launch_args(tmp, **knobs)
+    assert asked and "--bf16" in argv and argv[argv.index("--distributed-backend") + 1] == "nccl"
+    return argv
+
+
+def test_an_empty_cuda_visible_devices_takes_the_cpu_path_without_the_probe(tmp_path: Path) -> None:
+    """``CUDA_VISIBLE_DEVICES=`` (set, empty) hides every GPU, so the script takes gloo and fp32 without asking a
+    python that imports torch (the probe would answer "available" here); unset, it asks (``gpu_launch_args``)."""
+    argv, asked = launch_args(tmp_path, CUDA_VISIBLE_DEVICES="", NPROC="2", DSP="2")
+    assert not asked and "--bf16" not in argv and argv[argv.index("--distributed-backend") + 1] == "gloo", argv
 
 
 @pytest.fixture
