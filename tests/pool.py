@@ -7,9 +7,9 @@ another on them, as DeepSpeed's ``DistributedTest`` with ``reuse_dist_env`` and 
 ``MultiProcContinuousTest`` do.
 
 The ranks are forked from a ``multiprocessing`` fork server that imported torch, torch.distributed,
-DeepSpeed, megatron-core and diffusers once (``_PRELOAD``): starting or rebuilding a pool of 4 costs
-about a second instead of every rank importing them again (11 s for 4 ranks, 6 more once a body imports
-the frameworks, measured on the 2-core machine). ``DSP_TEST_POOL_START=spawn`` starts new interpreters.
+DeepSpeed, megatron-core, megatron.training and diffusers' models and pipelines once (``_PRELOAD``):
+starting or rebuilding a pool of 4 costs about a second instead of every rank importing them again (11 s
+for 4 ranks, 6 more once a body imports the frameworks, measured on the 2-core machine). ``DSP_TEST_POOL_START=spawn`` starts new interpreters.
 
 Per run, each rank (``_worker``):
 
@@ -155,8 +155,13 @@ class RankPool:
 
 
 #: what the fork server imports once, before it forks any rank: a rank is a fork of a process that has already
-#: imported torch and the frameworks, not a new interpreter importing them again
-_PRELOAD = ("torch", "torch.distributed", "tests.pool", "deepspeed", "megatron.core", "diffusers")
+#: imported torch and the frameworks, not a new interpreter importing them again. ``import diffusers`` loads its
+#: models and pipelines lazily, at a body's first ``from diffusers import WanTransformer3DModel`` (2.8 s a rank),
+#: hence the Wan model's module (it loads the models' shared code) and the pipelines' base; megatron.training
+#: for the launches' code the Megatron tests call in a rank. With them, a pool's first body that uses diffusers
+#: and megatron.training imports in 0.7 s on 2 ranks and 1.4 s on 4, against 3.7 s and 8.0 s without.
+_PRELOAD = ("torch", "torch.distributed", "tests.pool", "deepspeed", "megatron.core", "megatron.training",
+            "diffusers", "diffusers.models.transformers.transformer_wan", "diffusers.pipelines.pipeline_utils")
 
 
 def _context() -> Any:
