@@ -9,7 +9,8 @@ another on them, as DeepSpeed's ``DistributedTest`` with ``reuse_dist_env`` and 
 The ranks are forked from a ``multiprocessing`` fork server that imported torch, torch.distributed,
 DeepSpeed, megatron-core, megatron.training and diffusers' models and pipelines once (``_PRELOAD``):
 starting or rebuilding a pool of 4 costs about a second instead of every rank importing them again (11 s
-for 4 ranks, 6 more once a body imports the frameworks, measured on the 2-core machine). ``DSP_TEST_POOL_START=spawn`` starts new interpreters.
+for 4 ranks, 6 more once a body imports the frameworks, measured on the 2-core machine).
+``DSP_TEST_POOL_START=spawn`` starts new interpreters.
 
 Per run, each rank (``_worker``):
 
