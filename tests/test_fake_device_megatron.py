@@ -12,6 +12,8 @@ through the launch's ``model_provider`` (``get_model``: ``.cuda()``,
 forward of ``forward_step`` and ``loss_func`` under ``torch.no_grad()``. No
 training step: Megatron's DDP wraps the model by reaching into autograd's graph
 (``grad_fn.next_functions``), which needs a GPU context (``docs/gpu.md``).
+
+Beside it, the script's other side of that probe: ``CUDA_VISIBLE_DEVICES=`` takes gloo without asking.
 """
 
 from __future__ import annotations
